@@ -1,0 +1,135 @@
+"""Recipe configuration: one flat YAML of `TrainingArguments` fields plus the project's own fields.
+
+Precedence: built-in defaults < the YAML given with ``--config`` (or the recipe's default YAML) <
+``--key value`` on the command line. Every key is checked before anything heavy happens, so a typo
+is a one-line error naming the key and the closest valid one, not a traceback after model loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RecipeArguments:
+    """The project's keys: model, 4-bit quantization, LoRA, data and generation."""
+
+    model_name_or_path: str = field(
+        default=TINY_MODEL_NAME, metadata={"help": f"hub id or local path; '{TINY_MODEL_NAME}' is the embedded model"}
+    )
+    torch_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of the unquantized weights: {DTYPES}"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits with bitsandbytes"})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "nf4 or fp4"})
+    bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "quantize the quantization constants"})
+    bnb_4bit_compute_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of 4-bit matmuls: {DTYPES}"})
+    bnb_4bit_quant_storage: str = field(
+        default="bfloat16", metadata={"help": "dtype the packed 4-bit weights are stored in; must be FSDP's gather dtype"}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA input"})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"], metadata={"help": "module names to adapt, or 'all-linear'"}
+    )
+    dataset: str = field(
+        default=TINY_DATASET_NAME,
+        metadata={"help": f"'{TINY_DATASET_NAME}' (embedded) or a directory holding train.jsonl and eval.jsonl"},
+    )
+    train_file: str | None = field(default=None, metadata={"help": "JSONL of prompt/completion rows; wins over dataset"})
+    eval_file: str | None = field(default=None, metadata={"help": "held-out JSONL; wins over dataset"})
+    max_seq_length: int = field(default=1024, metadata={"help": "longer examples are truncated from the right"})
+    use_chat_template: bool = field(default=True, metadata={"help": "render prompts with the tokenizer's chat template"})
+    generate_samples: int = field(default=200, metadata={"help": "held-out prompts to generate after training; 0: none"})
+    generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
+    generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})
+
+
+class _Parser(HfArgumentParser):
+    """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def known_keys() -> list[str]:
+    """Every key a recipe YAML or command line may set."""
+    return [f.name for cls in (RecipeArguments, TrainingArguments) for f in dataclasses.fields(cls) if f.init]
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; run with --help to list the valid keys"
+    return ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def read_yaml_config(path: Path) -> dict:
+    """Load a recipe YAML and check that every key is known."""
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
+    valid = set(known_keys())
+    for key in values:
+        if key not in valid:
+            raise _unknown_key_error(str(key), str(path))
+    return values
+
+
+def _check_cli_keys(argv: list[str]) -> None:
+    valid = set(known_keys())
+    for token in argv:
+        if not token.startswith("--") or token == "--help":
+            continue
+        key = token[2:].split("=", 1)[0].replace("-", "_")
+        if key not in valid and not (key.startswith("no_") and key[3:] in valid):
+            raise _unknown_key_error(key, "command line")
+
+
+def parse_recipe_config(
+    argv: list[str], default_config: Path, default_output_dir: str
+) -> tuple[RecipeArguments, TrainingArguments]:
+    """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path, default=default_config)
+    known, rest = pre.parse_known_args(argv)
+    values = read_yaml_config(known.config)
+    _check_cli_keys(rest)
+
+    parser = _Parser((RecipeArguments, TrainingArguments), allow_abbrev=False)
+    parser.set_defaults(**values)
+    namespace, leftover = parser.parse_known_args(rest)
+    if leftover:
+        raise ConfigError(f"command line: unexpected argument '{leftover[0]}'; overrides are written --key value")
+    parsed = vars(namespace)
+    recipe_fields = {f.name for f in dataclasses.fields(RecipeArguments)}
+    recipe_args = RecipeArguments(**{k: v for k, v in parsed.items() if k in recipe_fields})
+    training_values = {k: v for k, v in parsed.items() if k not in recipe_fields}
+    if training_values.get("output_dir") is None:
+        training_values["output_dir"] = default_output_dir
+    if not torch.accelerator.is_available():
+        training_values["use_cpu"] = True  # no accelerator: the CPU mode (bf16 autocast included)
+    from fsdp_peft.validation import check_before_training
+
+    check_before_training(recipe_args, training_values)
+    try:
+        training_args = TrainingArguments(**training_values)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{known.config}: {error}") from None
+    return recipe_args, training_args

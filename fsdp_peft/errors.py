@@ -1,0 +1,28 @@
+"""User errors: reported as one line on stderr with a non-zero exit, never as a traceback."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+USER_ERROR_EXIT_CODE = 2
+
+
+class ConfigError(Exception):
+    """Bad input the user can fix: the message names the key or file, the rule and the fix."""
+
+
+def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
+    """Turn a `ConfigError` escaping ``main`` into ``error: <message>`` on stderr and exit code 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(USER_ERROR_EXIT_CODE)
+
+    return wrapper

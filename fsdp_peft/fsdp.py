@@ -1,0 +1,86 @@
+"""FSDP plumbing around the Hugging Face `Trainer`: the CPU mode, and a report of how the model was wrapped.
+
+CPU mode. Accelerate builds FSDP state only on accelerators: a CPU launch whose config says
+``distributed_type: FSDP`` silently becomes DDP. `enable_cpu_fsdp` finishes the job accelerate started:
+when FSDP was asked for (accelerate config or ``fsdp`` in the recipe YAML) and accelerate fell back to
+``MULTI_CPU``, it installs the same `FullyShardedDataParallelPlugin` accelerate would have built and
+switches the state to FSDP. From there the unchanged Trainer and accelerate FSDP code runs over gloo.
+On GPUs accelerate already chose FSDP and this function does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import TrainerCallback, TrainingArguments
+
+
+def fsdp_requested(args: TrainingArguments) -> bool:
+    """Whether the recipe YAML or the accelerate launcher asked for FSDP."""
+    return args.fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
+    """Turn accelerate's silent CPU fallback to DDP into real FSDP; returns whether it did."""
+    state = accelerator.state
+    if state.distributed_type != DistributedType.MULTI_CPU or not fsdp_requested(args):
+        return False
+    plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return True
+
+
+def fsdp_units(model: torch.nn.Module) -> list[str]:
+    """Names of the modules FSDP wrapped (FSDP2 ``fully_shard`` or FSDP1 units); ``""`` is the root."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            units.append(name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module"))
+    return units
+
+
+def parameter_layout(model: torch.nn.Module) -> list[dict]:
+    """Per parameter: name, dtype, whether trainable, global and this rank's local shape, placements."""
+    from torch.distributed.tensor import DTensor
+
+    layout = []
+    for name, parameter in model.named_parameters():
+        is_dtensor = isinstance(parameter, DTensor)
+        local = parameter.to_local() if is_dtensor else parameter
+        layout.append(
+            {
+                "name": name,
+                "dtype": str(parameter.dtype).removeprefix("torch."),
+                "trainable": parameter.requires_grad,
+                "shape": list(parameter.shape),
+                "local_shape": list(local.shape),
+                "placements": [str(p) for p in parameter.placements] if is_dtensor else None,
+            }
+        )
+    return layout
+
+
+class FsdpLayoutReport(TrainerCallback):
+    """Writes ``fsdp_layout.json`` (units and parameter sharding, seen from rank 0) when training starts."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        units = fsdp_units(model)
+        layout = parameter_layout(model)
+        if not state.is_world_process_zero:
+            return
+        sharded = sum(1 for p in layout if p["placements"])
+        report = {"world_size": args.world_size, "units": units, "parameters": layout}
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.output_dir) / "fsdp_layout.json").write_text(json.dumps(report, indent=1))
+        if units:
+            print(f"[fsdp-peft] FSDP units: {len(units)}; DTensor-sharded parameters: {sharded}/{len(layout)}")

@@ -1,0 +1,82 @@
+"""The fine-tuning procedure every recipe runs, top to bottom.
+
+parse config → tokenizer and model → adapters → data → trainer → accuracy before → train → save
+adapter → evaluate → generate from the sharded model → report. Recipes differ only in their default
+config (``configs/<recipe>/tiny.yaml``), so they share this one function.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from transformers import DataCollatorForSeq2Seq
+
+from fsdp_peft.config import parse_recipe_config
+from fsdp_peft.data import IGNORE_INDEX, load_data
+from fsdp_peft.errors import exits_cleanly_on_user_error
+from fsdp_peft.generation import evaluate_exact_match
+from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.trainer import PeftFsdpTrainer
+
+
+@exits_cleanly_on_user_error
+def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
+    """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
+    recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
+    tokenizer = load_tokenizer(recipe)
+    model = attach_lora(load_base_model(recipe), recipe, training)
+    train_data, eval_data, held_out = load_data(recipe, tokenizer)
+    trainer = PeftFsdpTrainer(
+        model=model,
+        args=training,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True),
+        processing_class=tokenizer,
+    )
+    samples = held_out[: recipe.generate_samples]
+    device = trainer.args.device
+    accuracy_before = evaluate_exact_match(trainer.model, tokenizer, samples, recipe, device) if samples else None
+
+    train_output = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    output_dir = Path(training.output_dir)
+    adapter_dir = trainer.save_adapter(output_dir / "adapter")
+    trainer.save_state()
+    eval_metrics = trainer.evaluate() if eval_data is not None else {}
+
+    samples_path = output_dir / "samples.jsonl"
+    accuracy_after = (
+        evaluate_exact_match(trainer.model, tokenizer, samples, recipe, device, samples_path) if samples else None
+    )
+    if not trainer.is_world_process_zero():
+        return None
+    results = {
+        "recipe": name,
+        "train_loss": train_output.training_loss,
+        "eval_loss": eval_metrics.get("eval_loss"),
+        "exact_match_before": accuracy_before,
+        "exact_match_after": accuracy_after,
+        "generated_samples": len(samples),
+        "adapter_dir": str(adapter_dir),
+        "fsdp": trainer.is_fsdp_enabled,
+    }
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+    print(summary(results, output_dir))
+    return results
+
+
+def summary(results: dict, output_dir: Path) -> str:
+    """The lines a user reads at the end of a run."""
+    lines = [f"[fsdp-peft] {results['recipe']}: train loss {results['train_loss']:.4f}"]
+    if results["eval_loss"] is not None:
+        lines.append(f"[fsdp-peft] eval loss {results['eval_loss']:.4f}")
+    if results["exact_match_after"] is not None:
+        lines.append(
+            f"[fsdp-peft] exact match on {results['generated_samples']} held-out prompts: "
+            f"before training {results['exact_match_before']:.3f}, after {results['exact_match_after']:.3f}"
+        )
+        lines.append(f"[fsdp-peft] samples: {output_dir / 'samples.jsonl'}")
+    lines.append(f"[fsdp-peft] adapter: {results['adapter_dir']}")
+    return "\n".join(lines)

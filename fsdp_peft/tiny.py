@@ -1,0 +1,173 @@
+"""The embedded default: a tiny Llama, its byte-level tokenizer, and a string-reversal dataset.
+
+Config, tokenizer and data ship inside the package (``fsdp_peft/assets``) so that a recipe runs on a
+machine with no network. The weights are not shipped: they are created from a fixed seed and written
+once to a local cache as an ordinary Hugging Face checkpoint, so that loading, 4-bit quantization and
+everything after it run exactly the code a hub model runs.
+
+Regenerate the shipped assets (deterministic, byte-identical) with::
+
+    python -m fsdp_peft.tiny --write-assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import string
+from pathlib import Path
+
+from fsdp_peft.files import publish_directory
+
+ASSETS = Path(__file__).parent / "assets"
+TINY_MODEL_NAME = "tiny-llama"
+TINY_DATASET_NAME = "tiny-reverse"
+TINY_MODEL_ASSETS = ASSETS / "tiny_llama"
+TINY_DATASET_DIR = ASSETS / "tiny_reverse"
+WEIGHTS_SEED = 1234
+DATA_SEED = 7
+WORD_LENGTH = 5
+TRAIN_ROWS = 2000
+EVAL_ROWS = 200
+
+SPECIAL_TOKENS = {
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end|>",
+    "pad_token": "<|pad|>",
+}
+ROLE_TOKENS = ["<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+
+def build_tokenizer():
+    """A byte-level tokenizer: one token per byte plus special and role tokens, with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_CONFIG["max_position_embeddings"],
+        padding_side="right",
+        **SPECIAL_TOKENS,
+    )
+
+
+def build_config(tokenizer):
+    """The tiny model's ``LlamaConfig``, with vocabulary and special token ids taken from the tokenizer."""
+    from transformers import LlamaConfig
+
+    fields = {key: value for key, value in TINY_CONFIG.items() if key not in ("architectures", "model_type")}
+    return LlamaConfig(
+        **fields,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=TINY_CONFIG["architectures"],
+    )
+
+
+def make_reverse_rows(count: int, rng: random.Random, exclude: set[str]) -> list[dict]:
+    """Rows asking to reverse a random lowercase word; words in ``exclude`` are never drawn."""
+    rows = []
+    while len(rows) < count:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(WORD_LENGTH))
+        if word in exclude:
+            continue
+        exclude.add(word)
+        rows.append({"prompt": f"reverse: {word}", "completion": word[::-1]})
+    return rows
+
+
+def write_assets(assets: Path = ASSETS) -> None:
+    """Write the shipped tokenizer, config and dataset; deterministic, so reruns give identical files."""
+    tokenizer = build_tokenizer()
+    model_dir = assets / "tiny_llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(model_dir)
+    build_config(tokenizer).save_pretrained(model_dir)
+
+    rng = random.Random(DATA_SEED)
+    seen: set[str] = set()
+    data_dir = assets / "tiny_reverse"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
+        rows = make_reverse_rows(count, rng, seen)
+        with open(data_dir / f"{split}.jsonl", "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def cache_dir() -> Path:
+    """Where the generated tiny checkpoint lives: ``$FSDP_PEFT_CACHE`` or ``~/.cache/fsdp_peft``."""
+    return Path(os.environ.get("FSDP_PEFT_CACHE", Path.home() / ".cache" / "fsdp_peft"))
+
+
+def tiny_model_path() -> Path:
+    """The tiny checkpoint directory, created on first use (safe when several ranks race to create it)."""
+    target = cache_dir() / f"{TINY_MODEL_NAME}-seed{WEIGHTS_SEED}"
+    if (target / "model.safetensors").is_file():
+        return target
+    with publish_directory(target) as staging:
+        _write_tiny_checkpoint(staging)
+    return target
+
+
+def _write_tiny_checkpoint(directory: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
+    torch.manual_seed(WEIGHTS_SEED)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS).save_pretrained(directory)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-assets", action="store_true", help="rewrite fsdp_peft/assets from the seeds")
+    args = parser.parse_args()
+    if args.write_assets:
+        write_assets()
+        print(f"wrote {ASSETS}")
+    else:
+        print(tiny_model_path())
+
+
+if __name__ == "__main__":
+    main()
