@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,8 @@ class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 
     def error(self, message: str):
-        raise ConfigError(message)
+        named = re.match(r"argument --(\w+)(?:/--[\w-]+)*: (.*)", message)
+        raise ConfigError(f"{named[1]}: {named[2]}" if named else message)
 
 
 def known_keys() -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable, TypeVar
 
@@ -15,14 +16,19 @@ class ConfigError(Exception):
 
 
 def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
-    """Turn a `ConfigError` escaping ``main`` into ``error: <message>`` on stderr and exit code 2."""
+    """Turn a `ConfigError` escaping ``main`` into ``error: <message>`` on stderr and exit code 2.
+
+    Under ``accelerate launch``/``torchrun`` the launcher then reports the failed ranks with a
+    traceback of its own (``ChildFailedError``); the ``error:`` line above it is the message to read.
+    """
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank checks the same input: say it once
+                print(f"error: {error}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
 
     return wrapper

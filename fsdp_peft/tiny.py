@@ -148,14 +148,25 @@ def tiny_model_path() -> Path:
 
 
 def _write_tiny_checkpoint(directory: Path) -> None:
+    """Weights from the seed, as ``model.safetensors`` next to config, generation config and tokenizer.
+
+    Written with safetensors directly rather than ``save_pretrained``, which writes on global rank 0
+    only: every rank (and every node) may need to build its own copy.
+    """
     import torch
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
     torch.manual_seed(WEIGHTS_SEED)
     model = LlamaForCausalLM(config)
-    model.save_pretrained(directory, safe_serialization=True)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(directory)
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
     AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS).save_pretrained(directory)
+    if not (directory / "config.json").is_file():
+        raise RuntimeError(f"building the tiny model in {directory} left no config.json")
 
 
 def main() -> None:
