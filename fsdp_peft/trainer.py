@@ -10,10 +10,11 @@ from transformers import Trainer
 
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import FsdpLayoutReport, enable_cpu_fsdp
+from fsdp_peft.policies import configure_fsdp_for_peft
 
 
 class PeftFsdpTrainer(Trainer):
-    """`transformers.Trainer` that runs real FSDP in the CPU mode; otherwise unchanged."""
+    """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
 
     def __init__(self, *args, callbacks=None, **kwargs):
         super().__init__(*args, callbacks=[FsdpLayoutReport(), *(callbacks or [])], **kwargs)
@@ -22,6 +23,7 @@ class PeftFsdpTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         if enable_cpu_fsdp(self.accelerator, self.args):
             self.is_fsdp_enabled = True
+        configure_fsdp_for_peft(self.accelerator)
 
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.

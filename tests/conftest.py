@@ -58,3 +58,18 @@ def _free_port() -> int:
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+        "--master_port", str(_free_port()), str(script), *args,
+    ]  # fmt: skip
+    result = run_command(command)
+    assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def last_json_line(text: str):
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
