@@ -1,0 +1,62 @@
+"""The embedded default: shipped assets are reproducible, the data is sound, the weights deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from fsdp_peft import tiny
+
+
+def test_shipped_assets_are_exactly_what_the_generator_writes(tmp_path):
+    tiny.write_assets(tmp_path)
+    shipped = sorted(p.relative_to(tiny.ASSETS) for p in tiny.ASSETS.rglob("*") if p.is_file())
+    regenerated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert shipped == regenerated
+    for relative in shipped:
+        assert (tiny.ASSETS / relative).read_bytes() == (tmp_path / relative).read_bytes(), relative
+
+
+def test_reversal_data_has_disjoint_splits_of_the_promised_size():
+    splits = {}
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (tiny.TINY_DATASET_DIR / f"{split}.jsonl").read_text().splitlines()]
+        for row in rows:
+            word = row["prompt"].removeprefix("reverse: ")
+            assert len(word) == tiny.WORD_LENGTH and word.isalpha() and row["completion"] == word[::-1]
+        splits[split] = {row["prompt"] for row in rows}
+        assert len(splits[split]) == len(rows)
+    assert len(splits["train"]) == 2000 and len(splits["eval"]) == 200
+    assert not splits["train"] & splits["eval"]
+
+
+def test_tokenizer_is_byte_level_with_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "reverse: héllo ✓"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ih"}], tokenize=False
+    )
+    assert chat == "<|begin_of_text|><|user|>hi<|end|><|assistant|>ih<|end|>"
+    specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    assert len(set(specials)) == 3 and all(i >= 256 for i in specials)
+
+
+def test_weights_are_built_from_the_seed_and_load_through_from_pretrained(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("FSDP_PEFT_CACHE", str(tmp_path))
+    rebuilt = tiny.tiny_model_path()
+    assert rebuilt != tiny_model_dir
+    first, second = load_file(tiny_model_dir / "model.safetensors"), load_file(rebuilt / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    model = AutoModelForCausalLM.from_pretrained(rebuilt)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 4
+    assert torch.equal(model.model.embed_tokens.weight, first["model.embed_tokens.weight"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging directory left behind
