@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from transformers import DataCollatorForSeq2Seq
+from transformers import DataCollatorForSeq2Seq, set_seed
 
 from fsdp_peft.config import parse_recipe_config
 from fsdp_peft.data import IGNORE_INDEX, load_data
@@ -25,6 +25,7 @@ from fsdp_peft.trainer import PeftFsdpTrainer
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
+    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe), recipe, training)
     train_data, eval_data, held_out = load_data(recipe, tokenizer)
