@@ -53,6 +53,9 @@ class RecipeArguments:
     eval_file: str | None = field(default=None, metadata={"help": "held-out JSONL; wins over dataset"})
     max_seq_length: int = field(default=1024, metadata={"help": "longer examples are truncated from the right"})
     use_chat_template: bool = field(default=True, metadata={"help": "render prompts with the tokenizer's chat template"})
+    fsdp_reduce_dtype: str = field(
+        default="float32", metadata={"help": f"dtype FSDP reduces gradients in: {DTYPES}"}
+    )
     generate_samples: int = field(default=200, metadata={"help": "held-out prompts to generate after training; 0: none"})
     generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
     generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import TrainerCallback, TrainingArguments
 
@@ -23,6 +23,23 @@ from transformers import TrainerCallback, TrainingArguments
 def fsdp_requested(args: TrainingArguments) -> bool:
     """Whether the recipe YAML or the accelerate launcher asked for FSDP."""
     return args.fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def cpu_fsdp_requested(args: TrainingArguments) -> bool:
+    """FSDP asked for on a machine without an accelerator: the CPU mode."""
+    return fsdp_requested(args) and not torch.accelerator.is_available()
+
+
+def skip_sync_module_states(args: TrainingArguments) -> None:
+    """Switch off FSDP1's ``sync_module_states`` for the CPU mode; call before the `Accelerator` exists.
+
+    Accelerate resolves that setting to an accelerator device and FSDP1 refuses it for CPU parameters.
+    It only matters when ranks other than 0 start without weights (``cpu_ram_efficient_loading``);
+    in the CPU mode every rank loads the same checkpoint with the same seed, so nothing is lost.
+    """
+    os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+    if args.fsdp_plugin_args is not None:
+        args.fsdp_plugin_args["sync_module_states"] = False
 
 
 def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
@@ -33,7 +50,12 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
-    state.distributed_type = DistributedType.FSDP
+    # Both states, as accelerate itself does: every later `AcceleratorState()` re-copies `PartialState`.
+    shared = [state.__dict__, PartialState._shared_state]
+    for values in shared:
+        values["distributed_type"] = DistributedType.FSDP
+        if plugin.fsdp_version == 1:  # FSDP1 compares its compute device "cpu" with accelerate's "cpu:0"
+            values["device"] = torch.device("cpu")
     state.fsdp_plugin = plugin
     return True
 

@@ -1,31 +1,115 @@
-"""FSDP settings adapted to PEFT models: the mixed-precision policy for adapters and 4-bit storage.
+"""FSDP settings for PEFT models, for both FSDP versions: wrap policy, mixed precision, ``generate``.
 
-Accelerate's default FSDP2 policy for ``bf16`` reduces gradients in bf16 and casts every root output,
-the loss included, to bf16 (so logged losses move in steps of 1/32 around 5). For adapters with fp32
-master weights that throws precision away for nothing: here parameters are gathered and computed in
-the mixed-precision dtype (which, for QLoRA, equals ``bnb_4bit_quant_storage``), gradients are reduced
-in fp32, and outputs keep the dtype they were computed in.
+`Trainer` adapts FSDP to PEFT only on the FSDP1 path, and then with bf16 gradient reduction;
+accelerate ignores peft's wrap policy under FSDP2. `configure_fsdp_for_peft` is the one place that
+decides, before the model is prepared:
+
+- **units**: every decoder layer (classes from ``_no_split_modules``, or the config's
+  ``transformer_layer_cls_to_wrap``) is a unit. FSDP1 also gives every trainable adapter leaf a unit
+  of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
+  untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
+  per parameter, and accelerate already carves the untied embeddings and the final norm + head.
+- **mixed precision**: parameters are gathered and computed in the mixed-precision dtype (for QLoRA
+  this equals ``bnb_4bit_quant_storage``, checked in `fsdp_peft.validation`), gradients are reduced
+  in ``fsdp_reduce_dtype`` (fp32 by default), buffers and outputs keep their dtype (accelerate's default
+  rounds the FSDP2 loss to bf16).
+- **generate**: FSDP2's ``generate`` is registered as a forward method (by `Trainer`); for FSDP1,
+  `register_generate` gathers the root unit around ``generate`` so nested units gather as they run.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def peft_mixed_precision_policy(mixed_precision: str, reduce_dtype: torch.dtype = torch.float32):
-    """FSDP2 policy: gather and compute in the mixed-precision dtype, reduce in ``reduce_dtype``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def decoder_layer_classes(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> set[type]:
+    """The decoder layer classes that become units: the config's names, else ``_no_split_modules``."""
+    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    missing = set(names) - {c.__name__ for c in classes}
+    if missing:
+        raise ValueError(f"transformer_layer_cls_to_wrap: no module of class {sorted(missing)} in the model")
+    return classes
 
-    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_DTYPES[mixed_precision], reduce_dtype=reduce_dtype)
+
+def embeddings_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
+    """The input embeddings and output head, and whether they share one weight (tied)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and embed.weight is head.weight
+    return [m for m in (embed, head) if m is not None], tied
 
 
-def configure_fsdp_for_peft(accelerator: Accelerator) -> None:
-    """Replace accelerate's FSDP2 mixed-precision policy by the PEFT one; no-op without FSDP2 or bf16/fp16."""
+def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type]):
+    """FSDP1 policy: decoder layers, each trainable adapter leaf, and untied embeddings / head."""
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+    modules, tied = embeddings_and_head(model)
+    own_units = set() if tied else {id(m) for m in modules}
+
+    def is_own_unit(module: torch.nn.Module) -> bool:
+        if id(module) in own_units:
+            return True
+        weight = getattr(module, "weight", None)
+        return next(module.children(), None) is None and weight is not None and weight.requires_grad
+
+    return functools.partial(
+        _or_policy,
+        policies=[
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=is_own_unit),
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes),
+        ],
+    )
+
+
+def mixed_precision_policy(fsdp_version: int, mixed_precision: str, reduce_dtype: torch.dtype):
+    """Gather and compute in the mixed-precision dtype, reduce in ``reduce_dtype``, leave buffers alone."""
+    dtype = MIXED_PRECISION_DTYPES[mixed_precision]
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None, cast_forward_inputs=True)
+
+
+def configure_fsdp_for_peft(model: torch.nn.Module, accelerator: Accelerator, reduce_dtype: torch.dtype) -> None:
+    """Set the FSDP plugin's wrap and mixed-precision policies for ``model`` (a PEFT model)."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
     state = accelerator.state
-    plugin = getattr(state, "fsdp_plugin", None)
-    if plugin is None or plugin.fsdp_version != 2 or state.mixed_precision not in MIXED_PRECISION_DTYPES:
+    plugin = state.fsdp_plugin
+    layer_classes = decoder_layer_classes(model, plugin)
+    if plugin.fsdp_version == 1:
+        plugin.auto_wrap_policy = fsdp1_wrap_policy(model, layer_classes)
+    else:  # accelerate's FSDP2 path only understands a transformer (or size) policy
+        plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes)
+        plugin.auto_wrap_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
+    if state.mixed_precision in MIXED_PRECISION_DTYPES:
+        plugin.mixed_precision_policy = mixed_precision_policy(plugin.fsdp_version, state.mixed_precision, reduce_dtype)
+
+
+def register_generate(model: torch.nn.Module) -> None:
+    """Make ``model.generate`` work on an FSDP1 root: its own (unit-less) parameters are gathered around it.
+
+    Under FSDP2 `Trainer` registers ``generate`` as an FSDP forward method; nothing to do here.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not isinstance(model, FSDP) or "generate" in vars(model):
         return
-    plugin.mixed_precision_policy = peft_mixed_precision_policy(state.mixed_precision)
+    inner_generate = model.module.generate
+
+    @functools.wraps(inner_generate)
+    def generate(*args, **kwargs):
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            return inner_generate(*args, **kwargs)
+
+    model.generate = generate

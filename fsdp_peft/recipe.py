@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from transformers import DataCollatorForSeq2Seq, set_seed
 
 from fsdp_peft.config import parse_recipe_config
@@ -36,6 +37,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         eval_dataset=eval_data,
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True),
         processing_class=tokenizer,
+        fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
     )
     samples = held_out[: recipe.generate_samples]
     device = trainer.args.device

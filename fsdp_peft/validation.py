@@ -37,7 +37,7 @@ def fsdp_gather_dtype(recipe, training: dict) -> str:
 
 
 def _dtype_keys_are_known(recipe, training) -> str | None:
-    for key in ("torch_dtype", "bnb_4bit_compute_dtype"):
+    for key in ("torch_dtype", "bnb_4bit_compute_dtype", "fsdp_reduce_dtype"):
         value = getattr(recipe, key)
         if value not in FLOATING_DTYPES:
             return f"{key}: '{value}' is not one of {', '.join(FLOATING_DTYPES)}"
