@@ -60,31 +60,39 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     return True
 
 
+def unit_name(name: str) -> str:
+    """A module or parameter name with FSDP1's wrapper components removed."""
+    return name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+
+
 def fsdp_units(model: torch.nn.Module) -> list[str]:
     """Names of the modules FSDP wrapped (FSDP2 ``fully_shard`` or FSDP1 units); ``""`` is the root."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    units = []
-    for name, module in model.named_modules():
-        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
-            units.append(name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module"))
-    return units
+    return [
+        unit_name(name)
+        for name, module in model.named_modules()
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel))
+    ]
 
 
 def parameter_layout(model: torch.nn.Module) -> list[dict]:
-    """Per parameter: name, dtype, whether trainable, global and this rank's local shape, placements."""
+    """Per stored parameter (FSDP1: per flat parameter): dtype, trainable, full and local shape, placement."""
     from torch.distributed.tensor import DTensor
 
     layout = []
     for name, parameter in model.named_parameters():
         is_dtensor = isinstance(parameter, DTensor)
+        if not is_dtensor and parameter.untyped_storage().size() == 0:
+            continue  # FSDP1: a view of a freed gathered flat parameter (bitsandbytes re-registers those)
         local = parameter.to_local() if is_dtensor else parameter
+        full = getattr(parameter, "_unpadded_unsharded_size", parameter.shape)  # FSDP1 flat parameters
         layout.append(
             {
-                "name": name,
+                "name": unit_name(name),
                 "dtype": str(parameter.dtype).removeprefix("torch."),
                 "trainable": parameter.requires_grad,
-                "shape": list(parameter.shape),
+                "shape": list(full),
                 "local_shape": list(local.shape),
                 "placements": [str(p) for p in parameter.placements] if is_dtensor else None,
             }
@@ -92,17 +100,59 @@ def parameter_layout(model: torch.nn.Module) -> list[dict]:
     return layout
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class FsdpLayoutReport(TrainerCallback):
-    """Writes ``fsdp_layout.json`` (units and parameter sharding, seen from rank 0) when training starts."""
+    """Writes ``fsdp_layout.json`` after the first optimizer step, as seen from rank 0.
+
+    It holds the FSDP units; each stored parameter's dtype, shape and shard; the dtype every parameter
+    has inside its module's forward (what FSDP gathered and computes with); and the gradient dtypes.
+    """
+
+    def __init__(self):
+        self.gathered: dict[str, str] = {}
+        self.gradients: dict[str, str] = {}
+        self.hooks: list = []
+        self.written = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        units = fsdp_units(model)
-        layout = parameter_layout(model)
+        for name, module in model.named_modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                self.hooks.append(module.register_forward_pre_hook(self._record_gathered(unit_name(name))))
+
+    def _record_gathered(self, prefix: str):
+        def hook(module, inputs):
+            for name, parameter in module.named_parameters(recurse=False):
+                self.gathered.setdefault(f"{prefix}.{name}".lstrip("."), _dtype_name(parameter.dtype))
+
+        return hook
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.gradients:
+            for name, parameter in model.named_parameters():
+                if parameter.grad is not None:
+                    self.gradients[unit_name(name)] = _dtype_name(parameter.grad.dtype)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.written:
+            return
+        self.written = True
+        for hook in self.hooks:
+            hook.remove()
+        units, layout = fsdp_units(model), parameter_layout(model)
         if not state.is_world_process_zero:
             return
-        sharded = sum(1 for p in layout if p["placements"])
-        report = {"world_size": args.world_size, "units": units, "parameters": layout}
+        report = {
+            "world_size": args.world_size,
+            "units": units,
+            "parameters": layout,
+            "gathered_dtypes": self.gathered,
+            "gradient_dtypes": self.gradients,
+        }
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "fsdp_layout.json").write_text(json.dumps(report, indent=1))
         if units:
-            print(f"[fsdp-peft] FSDP units: {len(units)}; DTensor-sharded parameters: {sharded}/{len(layout)}")
+            sharded = sum(1 for p in layout if p["local_shape"] != p["shape"])
+            print(f"[fsdp-peft] FSDP units: {len(units)}; sharded parameters: {sharded}/{len(layout)}")

@@ -12,7 +12,13 @@ import transformers.trainer
 from transformers import Trainer
 
 from fsdp_peft.files import publish_directory
-from fsdp_peft.fsdp import FsdpLayoutReport, cpu_fsdp_requested, enable_cpu_fsdp, skip_sync_module_states
+from fsdp_peft.fsdp import (
+    FsdpLayoutReport,
+    cpu_fsdp_requested,
+    enable_cpu_fsdp,
+    skip_sync_module_states,
+    unit_name,
+)
 from fsdp_peft.generation import is_sharded
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
 
@@ -34,6 +40,8 @@ class PeftFsdpTrainer(Trainer):
     def __init__(self, *args, fsdp_reduce_dtype: torch.dtype = torch.float32, callbacks=None, **kwargs):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
         super().__init__(*args, callbacks=[FsdpLayoutReport(), *(callbacks or [])], **kwargs)
+        # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
+        self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def create_accelerator_and_postprocess(self):
         if cpu_fsdp_requested(self.args):
@@ -54,21 +62,61 @@ class PeftFsdpTrainer(Trainer):
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.
 
         Trainer's own ``save_model`` writes nothing under ``SHARDED_STATE_DICT``. Only trainable
-        parameters are gathered, and the directory appears only once complete (written beside it, then
-        renamed).
+        parameters are gathered, an adapter missing any of them is refused, and the directory appears
+        only once complete (written beside it, then renamed).
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         directory = Path(directory)
-        on_accelerator = self.args.device.type != "cpu"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator, ignore_frozen_params=True)
-        if self.is_fsdp_enabled:
-            state_dict = get_model_state_dict(self.model, options=options)
-        else:
-            state_dict = {k: v.detach().cpu() for k, v in self.model.named_parameters() if v.requires_grad}
+        offload = self.args.device.type != "cpu"
+        state_dict = gather_trainable_state_dict(self.model, self.trainable_parameter_names, offload_to_cpu=offload)
         if self.args.should_save:
             with publish_directory(directory, replace=True) as staging:
-                self.accelerator.unwrap_model(self.model).save_pretrained(staging, state_dict=state_dict)
+                write_adapter(self.accelerator.unwrap_model(self.model), state_dict, staging)
         if dist.is_initialized():
             dist.barrier()
         return directory
+
+
+def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write ``state_dict`` as the active adapter in PEFT's format (``PeftModel.from_pretrained`` reads it).
+
+    peft's own ``save_pretrained`` selects adapter tensors by the model's module names, which FSDP1
+    wrappers change; the keys here are already the unwrapped names, so only the adapter name is dropped.
+    """
+    from safetensors.torch import save_file
+
+    adapter = peft_model.active_adapter
+    tensors = {name.replace(f".{adapter}.", "."): tensor.contiguous() for name, tensor in state_dict.items()}
+    save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+    peft_model.peft_config[adapter].save_pretrained(directory)
+    peft_model.create_or_update_model_card(str(directory))
+
+
+def gather_trainable_state_dict(
+    model: torch.nn.Module, expected: list[str], offload_to_cpu: bool
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of the ``expected`` trainable parameters, keyed by the unwrapped names.
+
+    FSDP2 and plain models go through ``torch.distributed.checkpoint``; FSDP1 flat parameters hide
+    their original parameters from it, so each trainable unit (the policy gives every adapter leaf
+    its own) is gathered on its own. Collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not isinstance(model, FSDP):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=offload_to_cpu, ignore_frozen_params=True)
+        state_dict = get_model_state_dict(model, options=options)
+    else:
+        state_dict = {}
+        for name, unit in model.named_modules():
+            flat = getattr(unit, "_flat_param", None) if isinstance(unit, FSDP) else None
+            if flat is None or not flat.requires_grad:
+                continue
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, offload_to_cpu=offload_to_cpu):
+                for param_name, parameter in unit.module.named_parameters():
+                    if "_fsdp_wrapped_module" not in param_name and "_flat_param" not in param_name:
+                        state_dict[unit_name(f"{name}.{param_name}")] = parameter.detach().clone().cpu()
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise RuntimeError(f"gathered adapter lacks {len(missing)} trainable tensors (e.g. {missing[0]}); not saving it")
+    return {name: state_dict[name] for name in expected}

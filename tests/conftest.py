@@ -35,12 +35,14 @@ def run_command(command: list[str], timeout: float = 600) -> subprocess.Complete
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def launch_recipe(recipe: str, *overrides: str, processes: int = 2) -> subprocess.CompletedProcess:
+def launch_recipe(
+    recipe: str, *overrides: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
+) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/<recipe>.py ...``."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ACCELERATE_CPU_FSDP2), "--num_processes", str(processes),
-        "--main_process_port", str(_free_port()),
+        "--config_file", str(accelerate_config), "--num_processes", str(processes),
+        "--main_process_port", str(free_port()),
         str(REPO / "recipes" / f"{recipe}.py"), *overrides,
     ]  # fmt: skip
     result = run_command(command)
@@ -48,7 +50,7 @@ def launch_recipe(recipe: str, *overrides: str, processes: int = 2) -> subproces
     return result
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -64,7 +66,7 @@ def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.Complet
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-        "--master_port", str(_free_port()), str(script), *args,
+        "--master_port", str(free_port()), str(script), *args,
     ]  # fmt: skip
     result = run_command(command)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

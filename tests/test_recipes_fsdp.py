@@ -1,70 +1,148 @@
-"""Both recipes end to end under FSDP2 on 2 real gloo ranks, checked against an unsharded reference."""
+"""Both recipes end to end under FSDP1 and FSDP2 on 2 real gloo ranks, against one unsharded process.
+
+One short run per (recipe, FSDP version) and one single-process run per recipe with the same global
+batch and seed; the tests read what the runs left in their output directories.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from conftest import launch_recipe, read_json
+from conftest import REPO, free_port, launch_recipe, read_json, run_command
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
+from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, render_prompt, tokenized_dataset
 
-STEPS = 30
-SAMPLES = 16
-TINY_LAYERS = 4
-EXPECTED_UNITS = [
-    "",
-    "base_model.model.model.embed_tokens",
-    *[f"base_model.model.model.layers.{i}" for i in range(TINY_LAYERS)],
-    "base_model.model.lm_head",
+STEPS = 12
+SAMPLES = 8
+LAYERS = 4
+PER_RANK_BATCH = 16
+COMMON = [
+    "--max_steps", str(STEPS), "--logging_steps", "1", "--warmup_steps", "0",
+    "--generate_samples", str(SAMPLES), "--per_device_train_batch_size", str(PER_RANK_BATCH),
+]  # fmt: skip
+LOSS_TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
+PREFIX = "base_model.model.model"
+LORA_LEAVES = [
+    f"{block}.{proj}.{side}.default"
+    for block, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for proj in projs
+    for side in ("lora_A", "lora_B")
 ]
+EXPECTED_UNITS = {
+    2: ["", f"{PREFIX}.embed_tokens", *[f"{PREFIX}.layers.{i}" for i in range(LAYERS)], "base_model.model.lm_head"],
+    1: [
+        "",
+        f"{PREFIX}.embed_tokens",
+        *[unit for i in range(LAYERS) for unit in [f"{PREFIX}.layers.{i}"] + [f"{PREFIX}.layers.{i}.{leaf}" for leaf in LORA_LEAVES]],
+        "base_model.model.lm_head",
+    ],
+}
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["llama_lora", "llama_qlora"])
+@pytest.fixture(scope="module", params=[("llama_lora", 2), ("llama_qlora", 2), ("llama_lora", 1), ("llama_qlora", 1)],
+                ids=lambda p: f"{p[0]}-fsdp{p[1]}")  # fmt: skip
 def run(request, tmp_path_factory, tiny_model_dir):
-    """One short 2-rank run of the recipe; the tests below read what it left in ``output_dir``."""
-    output_dir = tmp_path_factory.mktemp(request.param)
-    result = launch_recipe(
-        request.param,
-        "--output_dir", str(output_dir), "--max_steps", str(STEPS), "--logging_steps", "5",
-        "--warmup_steps", "0", "--generate_samples", str(SAMPLES),
-    )  # fmt: skip
-    return {"recipe": request.param, "dir": output_dir, "stdout": result.stdout, "model": tiny_model_dir}
+    """One 2-rank run of the recipe under the FSDP version's CPU accelerate config."""
+    recipe, version = request.param
+    output_dir = tmp_path_factory.mktemp(f"{recipe}_fsdp{version}")
+    config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
+    result = launch_recipe(recipe, "--output_dir", str(output_dir), *COMMON, accelerate_config=config)
+    return {"recipe": recipe, "version": version, "dir": output_dir, "stdout": result.stdout, "model": tiny_model_dir}
 
 
-def test_decoder_layers_are_fsdp_units_and_every_parameter_is_sharded(run):
+_single_runs: dict = {}
+
+
+def single_process_run(recipe: str, tmp_path_factory):
+    """The same recipe, seed and global batch in one process without FSDP (cached per recipe)."""
+    if recipe not in _single_runs:
+        output_dir = tmp_path_factory.mktemp(f"{recipe}_single")
+        overrides = [*COMMON, "--per_device_train_batch_size", str(2 * PER_RANK_BATCH), "--output_dir", str(output_dir)]
+        result = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *overrides])
+        assert result.returncode == 0, result.stderr[-4000:]
+        _single_runs[recipe] = output_dir
+    return _single_runs[recipe]
+
+
+def _losses(output_dir) -> list[float]:
+    return [e["loss"] for e in read_json(output_dir / "trainer_state.json")["log_history"] if "loss" in e]
+
+
+def test_units_are_the_expected_modules(run):
     layout = read_json(run["dir"] / "fsdp_layout.json")
     assert layout["world_size"] == 2
-    assert layout["units"] == EXPECTED_UNITS
+    assert layout["units"] == EXPECTED_UNITS[run["version"]]
+
+
+def test_every_stored_parameter_is_sharded_over_both_ranks(run):
+    layout = read_json(run["dir"] / "fsdp_layout.json")
     for parameter in layout["parameters"]:
-        assert parameter["placements"] == ["S(0)"], parameter["name"]
-        assert parameter["local_shape"][0] == math.ceil(parameter["shape"][0] / 2), parameter["name"]
-    trainable = [p for p in layout["parameters"] if p["trainable"]]
-    assert trainable and all(".lora_" in p["name"] for p in trainable)
-    if run["recipe"] == "llama_qlora":
-        packed = [p for p in layout["parameters"] if p["name"].endswith("q_proj.base_layer.weight")]
-        assert packed and all(p["dtype"] == "bfloat16" and p["shape"][1] == 1 for p in packed)  # 4-bit, bf16 storage
+        full, local = math.prod(parameter["shape"]), math.prod(parameter["local_shape"])
+        assert math.ceil(full / 2) <= local < full, parameter["name"]
+        if run["version"] == 2:
+            assert parameter["placements"] == ["S(0)"], parameter["name"]
+    if run["version"] == 1:  # no flat parameter mixes trainable and frozen tensors
+        trainable = [p["name"] for p in layout["parameters"] if p["trainable"]]
+        assert trainable == [f"{unit}._flat_param" for unit in EXPECTED_UNITS[1] if ".lora_" in unit]
 
 
-def test_training_loss_decreases(run):
-    state = read_json(run["dir"] / "trainer_state.json")
-    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
-    assert state["global_step"] == STEPS
-    assert len(losses) == STEPS // 5
-    assert losses[-1] < 0.95 * losses[0], losses
+def test_parameter_and_gradient_dtypes_are_as_configured(run):
+    layout = read_json(run["dir"] / "fsdp_layout.json")
+    stored = {p["name"]: p["dtype"] for p in layout["parameters"]}
+    qlora = run["recipe"] == "llama_qlora"
+    compute = "bfloat16" if qlora else "float32"  # QLoRA: bf16 mixed precision = quant storage; LoRA: fp32
+    for name, dtype in stored.items():
+        expected = "float32" if ".lora_" in name else compute  # fp32 adapter master weights
+        assert dtype == expected, name
+    gathered = layout["gathered_dtypes"]
+    assert len(gathered) == (len(EXPECTED_UNITS[1]) if run["version"] == 1 else len(stored))
+    assert set(gathered.values()) == {compute}, gathered
+    gradients = layout["gradient_dtypes"]
+    assert len(gradients) == len(LORA_LEAVES) * LAYERS and set(gradients.values()) == {"float32"}
+    assert all(".lora_" in name for name in gradients)
 
 
-def _reference_model(run, recipe_name):
+def test_training_matches_one_process_with_the_same_global_batch(run, tmp_path_factory):
+    reference_dir = single_process_run(run["recipe"], tmp_path_factory)
+    losses, reference = _losses(run["dir"]), _losses(reference_dir)
+    assert len(losses) == len(reference) == STEPS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    print(f"{run['recipe']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
+    assert worst <= LOSS_TOLERANCE[run["recipe"]], (losses, reference)
+    assert losses[-1] < 0.95 * losses[0]  # and it learns
+
+    adapter = load_file(run["dir"] / "adapter" / "adapter_model.safetensors")
+    reference_adapter = load_file(reference_dir / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == reference_adapter.keys()
+    for key, want in reference_adapter.items():
+        assert adapter[key].shape == want.shape, key  # gathered from both shards, not rank 0's half
+    elementwise = max(((adapter[k] - v).abs().max() / v.abs().max()).item() for k, v in reference_adapter.items())
+    frobenius = max(((adapter[k] - v).norm() / v.norm()).item() for k, v in reference_adapter.items())
+    print(f"{run['recipe']} FSDP{run['version']}: adapter difference, largest element {elementwise:.2e}, norm {frobenius:.2e}")
+    if run["recipe"] == "llama_lora":
+        assert elementwise <= LOSS_TOLERANCE["llama_lora"]
+    else:
+        # bf16 gradients round differently when the batch is split over ranks, and Adam turns any
+        # difference in a near-zero gradient into a full +-lr step on that element: elementwise agreement
+        # is not to be had in bf16 (measured ~2.6e-1 of the largest element, FSDP1 vs FSDP2 alike).
+        # Each adapter tensor as a whole still agrees to ~2e-2.
+        assert frobenius <= 5e-2
+
+
+def _reference_model(run):
     """Base + saved adapter in one plain process, loaded by transformers and peft alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    if recipe_name == "llama_qlora":
+    if run["recipe"] == "llama_qlora":
         quantization = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
@@ -78,17 +156,20 @@ def _reference_model(run, recipe_name):
     return PeftModel.from_pretrained(base, run["dir"] / "adapter").eval()
 
 
+def _autocast(run):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["recipe"] == "llama_qlora")
+
+
 def test_saved_adapter_on_a_fresh_unsharded_base_reproduces_the_eval_loss(run):
     from transformers import AutoTokenizer
 
-    model = _reference_model(run, run["recipe"])
+    model = _reference_model(run)
     tokenizer = AutoTokenizer.from_pretrained(run["model"])
     recipe = RecipeArguments(max_seq_length=64)
     _, eval_path = data_files(recipe)
     rows = tokenized_dataset(read_examples(eval_path), tokenizer, recipe, eval_path)
     total, count = 0.0, 0
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["recipe"] == "llama_qlora")
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), _autocast(run):
         for row in rows:
             logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].float()
             labels = torch.tensor(row["labels"][1:])
@@ -98,33 +179,44 @@ def test_saved_adapter_on_a_fresh_unsharded_base_reproduces_the_eval_loss(run):
     reference = total / count
     results = read_json(run["dir"] / "results.json")
     assert results["fsdp"] is True
+    print(f"{run['recipe']} FSDP{run['version']}: eval loss {results['eval_loss']:.6f}, reloaded {reference:.6f}")
     assert abs(results["eval_loss"] - reference) <= 1e-4, (results["eval_loss"], reference)
-
-
-def test_generation_from_the_sharded_model_is_reported(run):
-    samples = [json.loads(line) for line in (run["dir"] / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == SAMPLES
-    _, eval_path = data_files(RecipeArguments())
-    expected = read_examples(eval_path)[:SAMPLES]
-    assert [s["prompt"] for s in samples] == [e.prompt for e in expected]
-    assert [s["expected"] for s in samples] == [e.completion for e in expected]
-    results = read_json(run["dir"] / "results.json")
-    assert results["exact_match_after"] == sum(s["exact"] for s in samples) / SAMPLES
-    assert results["exact_match_before"] == 0.0
-    assert "exact match on 16 held-out prompts: before training 0.000" in run["stdout"]
 
 
 def test_sharded_greedy_generation_matches_the_unsharded_model(run):
     from transformers import AutoTokenizer
 
     from fsdp_peft.generation import generate_completions
-    from fsdp_peft.data import render_prompt
 
-    model = _reference_model(run, run["recipe"])
-    tokenizer = AutoTokenizer.from_pretrained(run["model"])
     samples = [json.loads(line) for line in (run["dir"] / "samples.jsonl").read_text().splitlines()]
+    _, eval_path = data_files(RecipeArguments())
+    expected = read_examples(eval_path)[:SAMPLES]
+    assert [(s["prompt"], s["expected"]) for s in samples] == [(e.prompt, e.completion) for e in expected]
+    results = read_json(run["dir"] / "results.json")
+    assert results["exact_match_after"] == sum(s["exact"] for s in samples) / SAMPLES
+    assert f"exact match on {SAMPLES} held-out prompts: before training 0.000" in run["stdout"]
+
+    model = _reference_model(run)
+    tokenizer = AutoTokenizer.from_pretrained(run["model"])
     prompts = [render_prompt(tokenizer, s["prompt"], use_chat_template=True) for s in samples]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["recipe"] == "llama_qlora")
-    with autocast:
+    with _autocast(run):
         unsharded = generate_completions(model, tokenizer, prompts, 8, 50, torch.device("cpu"))
     assert unsharded == [s["generated"] for s in samples]
+
+
+def test_fsdp_from_the_recipe_yaml_trains_like_the_accelerate_config_route(tmp_path, tiny_model_dir, tmp_path_factory):
+    """``fsdp``/``fsdp_config`` in the YAML under plain torchrun: same units, same losses as one process."""
+    output_dir = tmp_path / "yaml_route"
+    fsdp = ["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(REPO / "recipes" / "llama_lora.py"), "--output_dir", str(output_dir), *COMMON, *fsdp,
+    ]  # fmt: skip
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert read_json(output_dir / "results.json")["fsdp"] is True
+    assert read_json(output_dir / "fsdp_layout.json")["units"] == EXPECTED_UNITS[2]
+    reference = _losses(single_process_run("llama_lora", tmp_path_factory))
+    losses = _losses(output_dir)
+    assert len(losses) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) <= LOSS_TOLERANCE["llama_lora"]
