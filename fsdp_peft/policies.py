@@ -5,7 +5,8 @@ accelerate ignores peft's wrap policy under FSDP2. `configure_fsdp_for_peft` is 
 decides, before the model is prepared:
 
 - **units**: every decoder layer (classes from ``_no_split_modules``, or the config's
-  ``transformer_layer_cls_to_wrap``) is a unit. FSDP1 also gives every trainable adapter leaf a unit
+  ``transformer_layer_cls_to_wrap``) is a unit, whatever wrap policy was configured, except that
+  ``SIZE_BASED_WRAP`` is honoured under FSDP2 (under FSDP1 it is refused in `fsdp_peft.validation`). FSDP1 also gives every trainable adapter leaf a unit
   of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
   untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
   per parameter, and accelerate already carves the untied embeddings and the final norm + head.
@@ -82,14 +83,15 @@ def mixed_precision_policy(fsdp_version: int, mixed_precision: str, reduce_dtype
 
 def configure_fsdp_for_peft(model: torch.nn.Module, accelerator: Accelerator, reduce_dtype: torch.dtype) -> None:
     """Set the FSDP plugin's wrap and mixed-precision policies for ``model`` (a PEFT model)."""
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     state = accelerator.state
     plugin = state.fsdp_plugin
     layer_classes = decoder_layer_classes(model, plugin)
     if plugin.fsdp_version == 1:
         plugin.auto_wrap_policy = fsdp1_wrap_policy(model, layer_classes)
-    else:  # accelerate's FSDP2 path only understands a transformer (or size) policy
+    elif getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is not size_based_auto_wrap_policy:
+        # accelerate's FSDP2 path only understands a transformer (or size) policy
         plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes)
         plugin.auto_wrap_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
     if state.mixed_precision in MIXED_PRECISION_DTYPES:

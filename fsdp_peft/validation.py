@@ -6,7 +6,9 @@ Each rule is a small function returning a problem message (key, value, rule, fix
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,9 +18,66 @@ from fsdp_peft.tiny import TINY_DATASET_NAME
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
 
 
+GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
+
+
 def fsdp_in_use(training: dict) -> bool:
     """FSDP is on when the YAML sets ``fsdp`` or the accelerate launcher's config says FSDP."""
     return bool(training.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+@dataclass
+class FsdpSettings:
+    """The FSDP plugin settings that rules need, as they will be resolved, without building the plugin."""
+
+    version: int
+    auto_wrap_policy: str
+    state_dict_type: str
+    use_orig_params: bool
+    offload_params: bool
+    activation_checkpointing: bool
+
+
+def _truthy(value) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+def _yaml_fsdp_config(training: dict) -> dict:
+    config = training.get("fsdp_config") or {}
+    if isinstance(config, str):
+        text = Path(config).read_text() if Path(config).is_file() else config
+        config = json.loads(text)
+    return {key.removeprefix("fsdp_"): value for key, value in config.items()}
+
+
+def fsdp_settings(training: dict) -> FsdpSettings | None:
+    """Resolve FSDP settings from ``fsdp``/``fsdp_config`` (YAML route) or ``FSDP_*`` (accelerate route).
+
+    Defaults follow each route's own: transformers for the YAML, accelerate for the launcher.
+    """
+    if training.get("fsdp"):
+        config = _yaml_fsdp_config(training)
+        fsdp = training["fsdp"] if isinstance(training["fsdp"], str) else " ".join(map(str, training["fsdp"]))
+        return FsdpSettings(
+            version=int(config.get("version", 2)),
+            auto_wrap_policy=str(config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper(),
+            state_dict_type=str(config.get("state_dict_type", "FULL_STATE_DICT")).upper(),
+            use_orig_params=_truthy(config.get("use_orig_params", "true")),
+            offload_params=_truthy(config.get("cpu_offload", False)) or "offload" in fsdp,
+            activation_checkpointing=_truthy(config.get("activation_checkpointing", False)),
+        )
+    if not fsdp_in_use(training):
+        return None
+    env = os.environ
+    version = int(env.get("FSDP_VERSION", "1"))
+    return FsdpSettings(
+        version=version,
+        auto_wrap_policy=env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper(),
+        state_dict_type=env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT" if version == 1 else "SHARDED_STATE_DICT"),
+        use_orig_params=_truthy(env.get("FSDP_USE_ORIG_PARAMS", "false")),
+        offload_params=_truthy(env.get("FSDP_OFFLOAD_PARAMS", "false")),
+        activation_checkpointing=_truthy(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")),
+    )
 
 
 def mixed_precision_dtype(training: dict) -> str | None:
@@ -68,18 +127,6 @@ def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
     return None
 
 
-def _qlora_base_dtype_matches_storage(recipe, training) -> str | None:
-    if not recipe.load_in_4bit or not fsdp_in_use(training) or mixed_precision_dtype(training):
-        return None
-    if recipe.torch_dtype != recipe.bnb_4bit_quant_storage:
-        return (
-            f"torch_dtype: '{recipe.torch_dtype}' differs from bnb_4bit_quant_storage "
-            f"'{recipe.bnb_4bit_quant_storage}' and no bf16/fp16 mixed precision unifies them; "
-            f"FSDP units would mix dtypes. Set torch_dtype: {recipe.bnb_4bit_quant_storage} or bf16: true"
-        )
-    return None
-
-
 def _data_files_exist(recipe, training) -> str | None:
     for key in ("train_file", "eval_file"):
         value = getattr(recipe, key)
@@ -121,15 +168,81 @@ def _fsdp_needs_several_processes(recipe, training) -> str | None:
     return None
 
 
+def _one_activation_checkpointing(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    if settings and settings.activation_checkpointing and training.get("gradient_checkpointing"):
+        return (
+            "gradient_checkpointing: true together with FSDP's own activation_checkpointing checkpoints every "
+            "layer twice (and Trainer refuses it late); keep one: set gradient_checkpointing: false"
+        )
+    return None
+
+
+def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    if settings and training.get("save_only_model") and "SHARDED" in settings.state_dict_type:
+        return (
+            "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT (Trainer refuses it); "
+            "set save_only_model: false, or state_dict_type FULL_STATE_DICT"
+        )
+    return None
+
+
+def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    if settings and settings.version == 1 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
+        mixing = "" if settings.use_orig_params else " with use_orig_params: false"
+        return (
+            f"auto_wrap_policy: {settings.auto_wrap_policy} under FSDP1{mixing} would put frozen base weights and "
+            "trainable adapters (of different dtypes) in one flat parameter; set auto_wrap_policy: "
+            "TRANSFORMER_BASED_WRAP, which gives decoder layers and adapter leaves units of their own"
+        )
+    return None
+
+
+def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    optimizer = str(training.get("optim") or "adamw_torch")
+    if settings and settings.offload_params and any(mark in optimizer for mark in GPU_ONLY_OPTIMIZER_MARKS):
+        return (
+            f"optim: '{optimizer}' steps on the GPU, but FSDP offload_params keeps parameters and gradients on the "
+            "CPU; use optim: adamw_torch (or turn offloading off)"
+        )
+    return None
+
+
+def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    ram_efficient = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true" or _truthy(
+        _yaml_fsdp_config(training).get("cpu_ram_efficient_loading", False) if training.get("fsdp") else False
+    )
+    if settings and settings.version == 1 and ram_efficient and not torch_accelerator_available():
+        return (
+            "cpu_ram_efficient_loading needs FSDP1's sync_module_states, which FSDP1 refuses for CPU tensors; "
+            "in the CPU mode set cpu_ram_efficient_loading: false (or use FSDP2)"
+        )
+    return None
+
+
+def torch_accelerator_available() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()
+
+
 RULES: list[Callable] = [
     _dtype_keys_are_known,
     _quant_storage_is_floating_under_fsdp,
     _quant_storage_matches_gather_dtype,
-    _qlora_base_dtype_matches_storage,
     _data_files_exist,
     _local_model_path_exists,
     _positive_sizes,
     _fsdp_needs_several_processes,
+    _one_activation_checkpointing,
+    _save_only_model_needs_full_state_dict,
+    _fsdp1_units_keep_adapters_apart,
+    _offload_needs_a_cpu_optimizer,
+    _cpu_mode_cannot_load_on_rank_0_only,
 ]
 
 

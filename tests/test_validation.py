@@ -1,0 +1,86 @@
+"""Every configuration rule: fed the bad combination, each answers with its one-line message."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+from fsdp_peft.config import parse_recipe_config
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.validation import RULES, fsdp_settings
+
+QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
+LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
+ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
+
+CASES = {
+    "_quant_storage_is_floating_under_fsdp": (
+        QLORA_TINY, ACCELERATE_FSDP2, ["--bnb_4bit_quant_storage", "uint8"],
+        "bnb_4bit_quant_storage: 'uint8' cannot be sharded by FSDP; set it to bfloat16 (the FSDP gather dtype)",
+    ),
+    "_quant_storage_matches_gather_dtype": (
+        QLORA_TINY, ACCELERATE_FSDP2, ["--bnb_4bit_quant_storage", "float32"],
+        "bnb_4bit_quant_storage: 'float32' differs from the dtype FSDP gathers in ('bfloat16'",
+    ),
+    "_dtype_keys_are_known": (LORA_TINY, {}, ["--fsdp_reduce_dtype", "fp32"], "fsdp_reduce_dtype: 'fp32' is not one of"),
+    "_data_files_exist": (LORA_TINY, {}, ["--eval_file", "/no/such.jsonl"], "eval_file: file not found: /no/such.jsonl"),
+    "_local_model_path_exists": (
+        LORA_TINY, {}, ["--model_name_or_path", "/no/model"], "model_name_or_path: directory not found: /no/model"
+    ),
+    "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
+    "_fsdp_needs_several_processes": (
+        LORA_TINY, {"WORLD_SIZE": "1"}, ["--fsdp", "full_shard auto_wrap"], "fsdp: set in the config, but this is a single process"
+    ),
+    "_one_activation_checkpointing": (
+        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"}, ["--gradient_checkpointing", "true"],
+        "gradient_checkpointing: true together with FSDP's own activation_checkpointing",
+    ),
+    "_save_only_model_needs_full_state_dict": (
+        LORA_TINY, ACCELERATE_FSDP2, ["--save_only_model", "true"],
+        "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT",
+    ),
+    "_fsdp1_units_keep_adapters_apart": (
+        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
+        "auto_wrap_policy: SIZE_BASED_WRAP under FSDP1 with use_orig_params: false would put frozen base weights",
+    ),
+    "_offload_needs_a_cpu_optimizer": (
+        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "true"}, ["--optim", "paged_adamw_8bit"],
+        "optim: 'paged_adamw_8bit' steps on the GPU, but FSDP offload_params keeps parameters",
+    ),
+    "_cpu_mode_cannot_load_on_rank_0_only": (
+        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, [],
+        "cpu_ram_efficient_loading needs FSDP1's sync_module_states",
+    ),
+}
+
+
+def test_every_rule_has_a_case():
+    assert sorted(rule.__name__ for rule in RULES) == sorted(CASES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_path):
+    config, env, argv, message = CASES[rule]
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as error:
+        parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
+    lines = str(error.value).split("\n")
+    assert len(lines) == 1 and lines[0].startswith(message), str(error.value)
+
+
+def test_the_shipped_defaults_pass_every_rule_under_both_fsdp_versions(monkeypatch, tmp_path):
+    for env in (ACCELERATE_FSDP1, ACCELERATE_FSDP2):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for config in (QLORA_TINY, LORA_TINY):
+            parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path)], config, str(tmp_path))
+
+
+def test_yaml_route_settings_follow_transformers_defaults():
+    settings = fsdp_settings({"fsdp": "full_shard offload auto_wrap", "fsdp_config": '{"fsdp_version": 1}'})
+    assert settings.version == 1 and settings.offload_params and settings.use_orig_params
+    assert settings.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and settings.state_dict_type == "FULL_STATE_DICT"
