@@ -66,14 +66,20 @@ def unit_name(name: str) -> str:
 
 
 def fsdp_units(model: torch.nn.Module) -> list[str]:
-    """Names of the modules FSDP wrapped (FSDP2 ``fully_shard`` or FSDP1 units); ``""`` is the root."""
+    """The FSDP units, each named by its module(s); ``""`` is the root.
+
+    An FSDP2 unit can span several modules (one ``fully_shard`` call on a list, as accelerate does for
+    tied embeddings and head): those are joined with ``+``.
+    """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return [
-        unit_name(name)
-        for name, module in model.named_modules()
-        if isinstance(module, (FSDPModule, FullyShardedDataParallel))
-    ]
+    units: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), []).append(unit_name(name))
+        elif isinstance(module, FullyShardedDataParallel):
+            units.setdefault(id(module), []).append(unit_name(name))
+    return ["+".join(names) for names in units.values()]
 
 
 def parameter_layout(model: torch.nn.Module) -> list[dict]:

@@ -220,3 +220,33 @@ def test_fsdp_from_the_recipe_yaml_trains_like_the_accelerate_config_route(tmp_p
     losses = _losses(output_dir)
     assert len(losses) == STEPS
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) <= LOSS_TOLERANCE["llama_lora"]
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model with tied input embeddings and output head."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("tied_tiny_llama")
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_tied_embeddings_and_head_share_one_unit(version, tied_model_dir, tmp_path):
+    config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
+    overrides = ["--model_name_or_path", str(tied_model_dir), "--output_dir", str(tmp_path), *COMMON, "--max_steps", "4"]
+    launch_recipe("llama_lora", *overrides, accelerate_config=config)
+    layout = read_json(tmp_path / "fsdp_layout.json")
+    untied = [u for u in EXPECTED_UNITS[version] if not u.endswith(("embed_tokens", "lm_head"))]
+    if version == 1:  # both stay in the root unit
+        assert layout["units"] == untied
+    else:  # one unit spanning both modules
+        assert layout["units"] == ["", f"{PREFIX}.embed_tokens+base_model.model.lm_head", *untied[1:]]
+    names = [p["name"] for p in layout["parameters"]]
+    assert not any(name.endswith("lm_head.weight") for name in names)  # one shared tensor, stored once
+    assert read_json(tmp_path / "results.json")["fsdp"] is True

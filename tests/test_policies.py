@@ -1,0 +1,51 @@
+"""The FSDP policy pieces on a real PEFT model, without a process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.utils import FullyShardedDataParallelPlugin
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from fsdp_peft.policies import decoder_layer_classes, embeddings_and_head, fsdp1_wrap_policy, mixed_precision_policy
+
+
+@pytest.fixture(scope="module")
+def peft_model(tiny_model_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    return get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_precision_gathers_in_bf16_and_reduces_as_configured(version, reduce_dtype):
+    policy = mixed_precision_policy(version, "bf16", reduce_dtype)
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == reduce_dtype
+    if version == 1:
+        assert policy.buffer_dtype is None and policy.cast_forward_inputs
+    else:
+        assert policy.output_dtype is None
+
+
+def test_decoder_layers_come_from_no_split_modules_or_the_config(peft_model):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    assert decoder_layer_classes(peft_model, plugin) == {LlamaDecoderLayer}
+    plugin.transformer_cls_names_to_wrap = ["MistralDecoderLayer"]
+    with pytest.raises(ValueError, match=r"no module of class \['MistralDecoderLayer'\] in the model"):
+        decoder_layer_classes(peft_model, plugin)
+
+
+def test_fsdp1_policy_wraps_layers_adapter_leaves_and_untied_embeddings_only(peft_model):
+    policy = fsdp1_wrap_policy(peft_model, {LlamaDecoderLayer})
+    wrapped = [name for name, m in peft_model.named_modules() if name and policy(m, recurse=False, nonwrapped_numel=0)]
+    (embed, head), tied = embeddings_and_head(peft_model)
+    assert not tied
+    assert sum(".lora_A." in n or ".lora_B." in n for n in wrapped) == 4 * 7 * 2
+    assert sum(n.endswith(tuple(f"layers.{i}" for i in range(4))) for n in wrapped) == 4
+    assert {n for n in wrapped if "lora_" not in n and "layers." not in n} == {
+        "base_model.model.model.embed_tokens",
+        "base_model.model.lm_head",
+    }
+    assert not any(n.endswith(("base_layer", "q_proj", "norm")) for n in wrapped)  # frozen leaves stay in their layer
