@@ -65,6 +65,13 @@ def unit_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any module of ``model`` is an FSDP unit (its forwards then need every rank)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 def fsdp_units(model: torch.nn.Module) -> list[str]:
     """The FSDP units, each named by its module(s); ``""`` is the root.
 

@@ -14,19 +14,13 @@ import torch
 import torch.distributed as dist
 
 from fsdp_peft.data import Example, render_prompt
+from fsdp_peft.fsdp import is_sharded
 
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether any module of ``model`` is an FSDP unit (its forwards then need every rank)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 @torch.no_grad()

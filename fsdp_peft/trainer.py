@@ -16,10 +16,10 @@ from fsdp_peft.fsdp import (
     FsdpLayoutReport,
     cpu_fsdp_requested,
     enable_cpu_fsdp,
+    is_sharded,
     skip_sync_module_states,
     unit_name,
 )
-from fsdp_peft.generation import is_sharded
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
 
 
