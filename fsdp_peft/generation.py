@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from fsdp_peft.data import Example, render_prompt
 from fsdp_peft.fsdp import is_sharded
@@ -85,3 +86,19 @@ def evaluate_exact_match(
                 row = {"prompt": example.prompt, "expected": example.completion, "generated": completion, "exact": hit}
                 handle.write(json.dumps(row) + "\n")
     return sum(hits) / len(hits)
+
+
+class ExactMatchBeforeTraining(TrainerCallback):
+    """Scores ``examples`` when training starts: on the prepared (sharded) model, before the first step.
+
+    Scoring there rather than before ``Trainer.train`` means generation always runs on the model as FSDP
+    holds it, also when ranks other than 0 start without weights. A resumed run is not scored again.
+    """
+
+    def __init__(self, tokenizer, examples: list[Example], recipe):
+        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
+        self.accuracy: float | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.examples and state.global_step == 0:
+            self.accuracy = evaluate_exact_match(model, self.tokenizer, self.examples, self.recipe, args.device)

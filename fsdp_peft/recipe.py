@@ -17,7 +17,7 @@ from transformers import DataCollatorForSeq2Seq, set_seed
 from fsdp_peft.config import parse_recipe_config
 from fsdp_peft.data import IGNORE_INDEX, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
-from fsdp_peft.generation import evaluate_exact_match
+from fsdp_peft.generation import ExactMatchBeforeTraining, evaluate_exact_match
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.trainer import PeftFsdpTrainer
 
@@ -30,6 +30,8 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe), recipe, training)
     train_data, eval_data, held_out = load_data(recipe, tokenizer)
+    samples = held_out[: recipe.generate_samples]
+    before = ExactMatchBeforeTraining(tokenizer, samples, recipe)
     trainer = PeftFsdpTrainer(
         model=model,
         args=training,
@@ -38,10 +40,8 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True),
         processing_class=tokenizer,
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
+        callbacks=[before],
     )
-    samples = held_out[: recipe.generate_samples]
-    device = trainer.args.device
-    accuracy_before = evaluate_exact_match(trainer.model, tokenizer, samples, recipe, device) if samples else None
 
     train_output = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     output_dir = Path(training.output_dir)
@@ -51,7 +51,9 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
 
     samples_path = output_dir / "samples.jsonl"
     accuracy_after = (
-        evaluate_exact_match(trainer.model, tokenizer, samples, recipe, device, samples_path) if samples else None
+        evaluate_exact_match(trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path)
+        if samples
+        else None
     )
     if not trainer.is_world_process_zero():
         return None
@@ -59,7 +61,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         "recipe": name,
         "train_loss": train_output.training_loss,
         "eval_loss": eval_metrics.get("eval_loss"),
-        "exact_match_before": accuracy_before,
+        "exact_match_before": before.accuracy,
         "exact_match_after": accuracy_after,
         "generated_samples": len(samples),
         "adapter_dir": str(adapter_dir),
@@ -76,9 +78,11 @@ def summary(results: dict, output_dir: Path) -> str:
     if results["eval_loss"] is not None:
         lines.append(f"[fsdp-peft] eval loss {results['eval_loss']:.4f}")
     if results["exact_match_after"] is not None:
+        before = results["exact_match_before"]
+        before_text = "n/a (resumed)" if before is None else f"{before:.3f}"
         lines.append(
             f"[fsdp-peft] exact match on {results['generated_samples']} held-out prompts: "
-            f"before training {results['exact_match_before']:.3f}, after {results['exact_match_after']:.3f}"
+            f"before training {before_text}, after {results['exact_match_after']:.3f}"
         )
         lines.append(f"[fsdp-peft] samples: {output_dir / 'samples.jsonl'}")
     lines.append(f"[fsdp-peft] adapter: {results['adapter_dir']}")

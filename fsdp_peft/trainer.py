@@ -39,7 +39,8 @@ class PeftFsdpTrainer(Trainer):
 
     def __init__(self, *args, fsdp_reduce_dtype: torch.dtype = torch.float32, callbacks=None, **kwargs):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
-        super().__init__(*args, callbacks=[FsdpLayoutReport(), *(callbacks or [])], **kwargs)
+        # The layout report goes last: its forward hooks should only see training forwards.
+        super().__init__(*args, callbacks=[*(callbacks or []), FsdpLayoutReport()], **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
 
