@@ -200,6 +200,18 @@ def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
     return None
 
 
+def _fsdp1_checkpoints_would_lose_the_adapter(recipe, training) -> str | None:
+    settings = fsdp_settings(training)
+    strategy = str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
+    if settings and settings.version == 1 and strategy != "no":
+        return (
+            f"save_strategy: '{strategy}' under FSDP1: accelerate writes FSDP1 checkpoints of PEFT models without "
+            "the adapter weights (it filters them by module names that FSDP1 wrapping changed), so a resume would "
+            "silently start from fresh adapters; use FSDP2 (configs/accelerate/fsdp2.yaml) or save_strategy: 'no'"
+        )
+    return None
+
+
 def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
     settings = fsdp_settings(training)
     optimizer = str(training.get("optim") or "adamw_torch")
@@ -241,6 +253,7 @@ RULES: list[Callable] = [
     _one_activation_checkpointing,
     _save_only_model_needs_full_state_dict,
     _fsdp1_units_keep_adapters_apart,
+    _fsdp1_checkpoints_would_lose_the_adapter,
     _offload_needs_a_cpu_optimizer,
     _cpu_mode_cannot_load_on_rank_0_only,
 ]

@@ -44,6 +44,10 @@ CASES = {
         LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
         "auto_wrap_policy: SIZE_BASED_WRAP under FSDP1 with use_orig_params: false would put frozen base weights",
     ),
+    "_fsdp1_checkpoints_would_lose_the_adapter": (
+        LORA_TINY, ACCELERATE_FSDP1, ["--save_strategy", "steps"],
+        "save_strategy: 'steps' under FSDP1: accelerate writes FSDP1 checkpoints of PEFT models without the adapter",
+    ),
     "_offload_needs_a_cpu_optimizer": (
         LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "true"}, ["--optim", "paged_adamw_8bit"],
         "optim: 'paged_adamw_8bit' steps on the GPU, but FSDP offload_params keeps parameters",
