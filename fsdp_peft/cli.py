@@ -16,6 +16,16 @@ def _validate(args: argparse.Namespace) -> None:
     print(f"{args.config}: ok")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from fsdp_peft.export import export_merged
+
+    out = export_merged(
+        args.source, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
+        base_variant=args.base_variant, overwrite=args.overwrite, verify=args.verify,
+    )  # fmt: skip
+    print(f"merged model written to {out}")
+
+
 def _tiny(args: argparse.Namespace) -> None:
     from fsdp_peft.tiny import tiny_model_path
 
@@ -29,6 +39,19 @@ def main(argv: list[str] | None = None) -> None:
     validate = commands.add_parser("validate", help="check a recipe YAML without loading any weights")
     validate.add_argument("config", type=Path)
     validate.set_defaults(run=_validate)
+    export = commands.add_parser("export", help="merge an adapter into its base and write full weights")
+    export.add_argument("source", type=Path, help="adapter directory, Trainer checkpoint, or training output_dir")
+    export.add_argument("--out", type=Path, required=True, help="directory to create")
+    export.add_argument("--base", help="base model (hub id or directory); default: the adapter's own")
+    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    export.add_argument(
+        "--base-variant", default="exact", choices=["exact", "nf4"],
+        help="merge onto the exact 16-bit base, or onto its NF4 round trip (what QLoRA training saw)",
+    )  # fmt: skip
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    export.add_argument("--verify", action="store_true", help="reload the export and compare logits")
+    export.set_defaults(run=_export)
     tiny = commands.add_parser("tiny-model", help="build the embedded tiny model (once) and print its path")
     tiny.set_defaults(run=_tiny)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -36,3 +59,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 __all__ = ["main", "ConfigError"]
+
+
+if __name__ == "__main__":
+    main()

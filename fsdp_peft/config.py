@@ -56,6 +56,10 @@ class RecipeArguments:
     fsdp_reduce_dtype: str = field(
         default="float32", metadata={"help": f"dtype FSDP reduces gradients in: {DTYPES}"}
     )
+    export_merged: bool = field(
+        default=False, metadata={"help": "after training, write merged full weights to output_dir/merged"}
+    )
+    export_dtype: str = field(default="bf16", metadata={"help": "dtype of the merged export: bf16, fp16 or fp32"})
     generate_samples: int = field(default=200, metadata={"help": "held-out prompts to generate after training; 0: none"})
     generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
     generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})

@@ -7,6 +7,7 @@ config (``configs/<recipe>/tiny.yaml``), so they share this one function.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from fsdp_peft.config import parse_recipe_config
 from fsdp_peft.data import IGNORE_INDEX, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.generation import ExactMatchBeforeTraining, evaluate_exact_match
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.export import export_merged
+from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
 from fsdp_peft.trainer import PeftFsdpTrainer
 
 
@@ -41,6 +43,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         processing_class=tokenizer,
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
         callbacks=[before],
+        recipe_config=dataclasses.asdict(recipe),
     )
 
     train_output = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
@@ -55,6 +58,11 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         if samples
         else None
     )
+    merged_dir = output_dir / "merged"
+    if recipe.export_merged and trainer.is_world_process_zero():
+        export_merged(adapter_dir, merged_dir, base=resolve_model_path(recipe.model_name_or_path),
+                      dtype=recipe.export_dtype, overwrite=True, progress=False)  # fmt: skip
+    trainer.accelerator.wait_for_everyone()
     if not trainer.is_world_process_zero():
         return None
     results = {
@@ -66,6 +74,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         "generated_samples": len(samples),
         "adapter_dir": str(adapter_dir),
         "fsdp": trainer.is_fsdp_enabled,
+        "merged_dir": str(merged_dir) if recipe.export_merged else None,
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(summary(results, output_dir))
@@ -86,4 +95,6 @@ def summary(results: dict, output_dir: Path) -> str:
         )
         lines.append(f"[fsdp-peft] samples: {output_dir / 'samples.jsonl'}")
     lines.append(f"[fsdp-peft] adapter: {results['adapter_dir']}")
+    if results["merged_dir"]:
+        lines.append(f"[fsdp-peft] merged full weights: {results['merged_dir']}")
     return "\n".join(lines)

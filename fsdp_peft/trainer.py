@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import transformers.trainer
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
@@ -37,8 +39,16 @@ def _trainer_peft_update_replaced():
 class PeftFsdpTrainer(Trainer):
     """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
 
-    def __init__(self, *args, fsdp_reduce_dtype: torch.dtype = torch.float32, callbacks=None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        fsdp_reduce_dtype: torch.dtype = torch.float32,
+        recipe_config: dict | None = None,
+        callbacks=None,
+        **kwargs,
+    ):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
+        self.recipe_config = recipe_config or {}
         # The layout report goes last: its forward hooks should only see training forwards.
         super().__init__(*args, callbacks=[*(callbacks or []), FsdpLayoutReport()], **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
@@ -59,6 +69,14 @@ class PeftFsdpTrainer(Trainer):
         register_generate(self.model)
         return prepared
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, plus what export needs to read its sharded adapter: config and recipe."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            if checkpoint.is_dir():
+                write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, checkpoint)
+
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.
 
@@ -72,6 +90,7 @@ class PeftFsdpTrainer(Trainer):
         if self.args.should_save:
             with publish_directory(directory, replace=True) as staging:
                 write_adapter(self.accelerator.unwrap_model(self.model), state_dict, staging)
+                write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging)
         if dist.is_initialized():
             dist.barrier()
         return directory
@@ -88,8 +107,15 @@ def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Pa
     adapter = peft_model.active_adapter
     tensors = {name.replace(f".{adapter}.", "."): tensor.contiguous() for name, tensor in state_dict.items()}
     save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    peft_model.peft_config[adapter].save_pretrained(directory)
     peft_model.create_or_update_model_card(str(directory))
+
+
+def write_adapter_metadata(peft_model, recipe_config: dict, directory: Path) -> None:
+    """``adapter_config.json`` and the recipe config, next to adapter weights (final or sharded)."""
+    from fsdp_peft.export import RECIPE_FILE
+
+    peft_model.peft_config[peft_model.active_adapter].save_pretrained(directory)
+    (directory / RECIPE_FILE).write_text(json.dumps(recipe_config, indent=1, sort_keys=True, default=str))
 
 
 def gather_trainable_state_dict(

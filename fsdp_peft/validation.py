@@ -100,6 +100,8 @@ def _dtype_keys_are_known(recipe, training) -> str | None:
         value = getattr(recipe, key)
         if value not in FLOATING_DTYPES:
             return f"{key}: '{value}' is not one of {', '.join(FLOATING_DTYPES)}"
+    if recipe.export_dtype not in ("bf16", "fp16", "fp32"):
+        return f"export_dtype: '{recipe.export_dtype}' is not one of bf16, fp16, fp32"
     return None
 
 

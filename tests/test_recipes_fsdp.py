@@ -54,7 +54,10 @@ def run(request, tmp_path_factory, tiny_model_dir):
     recipe, version = request.param
     output_dir = tmp_path_factory.mktemp(f"{recipe}_fsdp{version}")
     config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
-    result = launch_recipe(recipe, "--output_dir", str(output_dir), *COMMON, accelerate_config=config)
+    # FSDP2 runs also leave a sharded checkpoint of the last step and a merged export (FSDP1 refuses checkpoints)
+    extra = ["--save_strategy", "steps", "--save_steps", str(STEPS), "--export_merged", "true", "--export_dtype", "fp32"]
+    overrides = [*COMMON, *(extra if version == 2 else [])]
+    result = launch_recipe(recipe, "--output_dir", str(output_dir), *overrides, accelerate_config=config)
     return {"recipe": recipe, "version": version, "dir": output_dir, "stdout": result.stdout, "model": tiny_model_dir}
 
 
@@ -250,3 +253,84 @@ def test_tied_embeddings_and_head_share_one_unit(version, tied_model_dir, tmp_pa
     names = [p["name"] for p in layout["parameters"]]
     assert not any(name.endswith("lm_head.weight") for name in names)  # one shared tensor, stored once
     assert read_json(tmp_path / "results.json")["fsdp"] is True
+
+
+def _peft_merged_reference(run, dtype, base=None):
+    """peft's own ``merge_and_unload`` of the saved adapter on the given 16-bit (or fp32) base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_model = AutoModelForCausalLM.from_pretrained(base or run["model"], dtype=dtype)
+    return PeftModel.from_pretrained(base_model, run["dir"] / "adapter").merge_and_unload().state_dict()
+
+
+@pytest.fixture(scope="module")
+def bf16_base(tmp_path_factory, tiny_model_dir):
+    """The tiny base stored in bf16, as real 16-bit checkpoints are."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("tiny_llama_bf16")
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    return directory
+
+
+def test_export_from_adapter_and_from_sharded_checkpoint_equals_peft_merge(run, tmp_path):
+    """fp32: exactly peft's merge. FSDP2 runs also export from their sharded checkpoint and in the recipe."""
+    from fsdp_peft.export import export_merged
+
+    reference = _peft_merged_reference(run, torch.float32)
+    sources = ["adapter"] + ([f"checkpoint-{STEPS}"] if run["version"] == 2 else [])  # FSDP1 keeps no checkpoints
+    for name in sources:
+        out = export_merged(run["dir"] / name, tmp_path / name, dtype="fp32", progress=False)
+        merged = load_file(out / "model.safetensors")
+        assert merged.keys() == reference.keys()
+        for key, want in reference.items():
+            assert torch.equal(merged[key], want), (name, key)
+    if run["version"] == 2:  # the run itself had export_merged: true
+        recipe_export = load_file(run["dir"] / "merged" / "model.safetensors")
+        assert all(torch.equal(recipe_export[k], v) for k, v in reference.items())
+
+
+def test_bf16_export_is_within_one_ulp_of_peft_merge(run, tmp_path, bf16_base):
+    from fsdp_peft.export import export_merged
+
+    reference = _peft_merged_reference(run, torch.bfloat16, base=bf16_base)
+    out = export_merged(run["dir"] / "adapter", tmp_path / "bf16", base=str(bf16_base), dtype="bf16", progress=False)
+    merged = load_file(out / "model.safetensors")
+    for key, want in reference.items():
+        got = merged[key]
+        assert got.dtype == torch.bfloat16
+        _, exponent = torch.frexp(want.float())
+        ulp = torch.ldexp(torch.ones_like(want, dtype=torch.float32), exponent - 8)  # bf16: 8 significant bits
+        assert ((got.float() - want.float()).abs() <= ulp).all(), key
+
+
+def test_exported_directory_loads_without_peft_and_matches_base_plus_adapter(run, tmp_path):
+    from fsdp_peft.export import export_merged
+
+    out = export_merged(run["dir"] / "adapter", tmp_path / "merged", dtype="fp32", progress=False)
+    script = (
+        "import sys, json, torch; sys.modules['peft'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()\n"
+        "ids = torch.tensor([[256, 259, 81, 68, 85, 68, 81, 82, 68, 25, 220, 64, 65, 66, 67, 68, 257, 260]])\n"
+        "print(json.dumps(model(input_ids=ids).logits[0].tolist()))\n"
+    )
+    result = run_command([sys.executable, "-c", script], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logits = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    for name in ("generation_config.json", "tokenizer.json", "README.md"):
+        assert (out / name).is_file(), name
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(run["model"], dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, run["dir"] / "adapter").eval()
+    ids = torch.tensor([[256, 259, 81, 68, 85, 68, 81, 82, 68, 25, 220, 64, 65, 66, 67, 68, 257, 260]])
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits[0]
+    assert (logits - want).abs().max() <= 1e-3
