@@ -1,8 +1,8 @@
 """Merged full-weight export: a base checkpoint plus a LoRA adapter, as a plain Hugging Face model directory.
 
-The base safetensors are streamed tensor by tensor; each adapted weight gets ``W + scale * B @ A``
+The base safetensors are streamed tensor by tensor (plain reads, not memory maps); each adapted weight gets ``W + scale * B @ A``
 (computed in fp32, rounded once to the output dtype) and output shards are written as they fill, so
-peak host memory is about one output shard plus the adapter, whatever the model size. The merge is
+peak host memory is about the largest tensor plus the adapter, whatever the model and shard size. The merge is
 always onto the 16-bit base, never into re-quantized 4-bit weights; ``base_variant="nf4"`` instead
 merges onto the NF4 round trip of the base, the weights a QLoRA adapter was trained against.
 
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
@@ -153,20 +152,19 @@ def base_tensor_files(base: Path) -> dict[str, Path]:
     single = base / "model.safetensors"
     if not single.is_file():
         raise ConfigError(f"--base: {base} holds no safetensors checkpoint (model.safetensors or its index)")
-    with safe_open(single, framework="pt") as handle:
-        return {key: single for key in handle.keys()}
+    return {key: single for key in read_header(single) if key != "__metadata__"}
 
 
 def check_adapter_fits_base(deltas: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
     """Every adapted weight exists in the base with matching shapes; raised before anything is written."""
+    headers = {path: read_header(path) for path in {files[key] for key in deltas if key in files}}
     for key, (lora_a, lora_b) in deltas.items():
         if key not in files:
             raise ConfigError(
                 f"adapter {adapter.origin} adapts '{key}', which base {base} does not have "
                 "(different architecture, or the wrong --base)"
             )
-        with safe_open(files[key], framework="pt") as handle:
-            shape = tuple(handle.get_slice(key).get_shape())
+        shape = tuple(headers[files[key]][key]["shape"])
         if shape != (lora_b.shape[0], lora_a.shape[1]) or lora_a.shape[0] != lora_b.shape[1]:
             raise ConfigError(
                 f"adapter {adapter.origin}: '{key}' is {list(shape)} in base {base} but the adapter's "
@@ -205,42 +203,118 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * powers[unit])
 
 
-class ShardWriter:
-    """Collects output tensors and writes a safetensors shard whenever ``max_bytes`` would be exceeded."""
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[key] = tensor.contiguous()
-        self.pending_bytes += size
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
-    def flush(self) -> None:
-        if self.pending:
-            save_file(self.pending, self.directory / f"part-{len(self.shards):05d}.safetensors", metadata={"format": "pt"})
-            self.shards.append(list(self.pending))
-            self.pending, self.pending_bytes = {}, 0
 
-    def finish(self, total_bytes: int) -> None:
-        """Rename the parts to Hugging Face's shard names and write the index (for several shards)."""
-        self.flush()
-        count = len(self.shards)
-        if count == 1:
-            (self.directory / "part-00000.safetensors").rename(self.directory / "model.safetensors")
-            return
-        weight_map = {}
-        for number, keys in enumerate(self.shards):
-            name = f"model-{number + 1:05d}-of-{count:05d}.safetensors"
-            (self.directory / f"part-{number:05d}.safetensors").rename(self.directory / name)
-            weight_map.update({key: name for key in keys})
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def read_header(path: Path) -> dict:
+    """A safetensors file's header: ``{key: {"dtype", "shape", "data_offsets"}}`` (and ``__metadata__``)."""
+    with open(path, "rb") as handle:
+        return json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+
+
+def read_tensors(path: Path, keys: list[str]):
+    """Yield ``(key, tensor)`` from a safetensors file with plain reads, one tensor in memory at a time.
+
+    Memory-mapping (``safe_open``) would keep every page read so far resident for as long as the file
+    is open, which on a multi-gigabyte shard is most of the export's memory.
+    """
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+        for key in keys:
+            entry = header[key]
+            start, end = entry["data_offsets"]
+            handle.seek(8 + header_size + start)
+            data = bytearray(handle.read(end - start))
+            tensor = torch.frombuffer(data, dtype=SAFETENSORS_DTYPES[entry["dtype"]]) if data else torch.empty(0)
+            yield key, tensor.reshape(entry["shape"])
+
+
+class StreamingShardWriter:
+    """Writes safetensors shards tensor by tensor, straight to disk, in a layout planned up front.
+
+    Every output key, shape and dtype is known from the base headers before anything is merged, so
+    each shard's header is written first and tensors follow as they are produced: nothing but the
+    tensor in hand is held in memory, whatever the shard size.
+    """
+
+    def __init__(self, directory: Path, layout: list[tuple[str, list[int], torch.dtype]], max_bytes: int):
+        self.directory = directory
+        self.shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
+        size = 0
+        for key, shape, dtype in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if self.shards[-1] and size + nbytes > max_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((key, shape, dtype))
+            size += nbytes
+        self.names = (
+            ["model.safetensors"]
+            if len(self.shards) == 1
+            else [f"model-{n + 1:05d}-of-{len(self.shards):05d}.safetensors" for n in range(len(self.shards))]
+        )
+        self.order = [(shard, entry) for shard, entries in enumerate(self.shards) for entry in entries]
+        self.position, self.handle, self.total = 0, None, 0
+
+    def _open(self, shard: int) -> None:
+        if self.handle:
+            self.handle.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for key, shape, dtype in self.shards[shard]:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+        self.handle = open(self.directory / self.names[shard], "wb")
+        self.handle.write(len(encoded).to_bytes(8, "little") + encoded)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        shard, (expected, shape, dtype) = self.order[self.position]
+        if key != expected or list(tensor.shape) != shape or tensor.dtype != dtype:
+            raise RuntimeError(f"export: got {key} {list(tensor.shape)} {tensor.dtype}, planned {expected} {shape} {dtype}")
+        if self.position == 0 or shard != self.order[self.position - 1][0]:
+            self._open(shard)
+        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        self.total += tensor.numel() * tensor.element_size()
+        self.position += 1
+
+    def finish(self) -> None:
+        """Close the last shard and, for several shards, write Hugging Face's index."""
+        if self.handle:
+            self.handle.close()
+        if self.position != len(self.order):
+            raise RuntimeError(f"export: wrote {self.position} of {len(self.order)} planned tensors")
+        if len(self.shards) > 1:
+            weight_map = {key: self.names[shard] for shard, (key, _, _) in self.order}
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def output_layout(base_files: dict[str, Path], out_dtype: torch.dtype) -> list[tuple[str, list[int], torch.dtype]]:
+    """Key, shape and output dtype of every tensor, in the order `merged_tensors` yields them."""
+    layout = []
+    for path, keys in _keys_by_file(base_files).items():
+        header = read_header(path)
+        for key in keys:
+            dtype = SAFETENSORS_DTYPES[header[key]["dtype"]]
+            layout.append((key, header[key]["shape"], out_dtype if dtype.is_floating_point else dtype))
+    return layout
+
+
+def _keys_by_file(base_files: dict[str, Path]) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for key, path in base_files.items():
+        by_file.setdefault(path, []).append(key)
+    return by_file
 
 
 def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: str, progress: bool):
@@ -248,21 +322,16 @@ def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: 
     from tqdm.auto import tqdm
 
     deltas = adapter.deltas_by_base_key()
-    by_file: dict[Path, list[str]] = {}
-    for key, path in base_files.items():
-        by_file.setdefault(path, []).append(key)
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
-        for path, keys in by_file.items():
-            with safe_open(path, framework="pt") as handle:
-                for key in keys:
-                    tensor = handle.get_tensor(key)
-                    if base_variant == "nf4" and is_quantized_in_training(key, tensor):
-                        tensor = nf4_round_trip(tensor, adapter.recipe)
-                    if key in deltas:
-                        lora_a, lora_b = deltas[key]
-                        tensor = tensor.float() + (lora_b.float() @ lora_a.float()) * adapter.scale
-                    yield key, tensor
-                    bar.update()
+        for path, keys in _keys_by_file(base_files).items():
+            for key, tensor in read_tensors(path, keys):
+                if base_variant == "nf4" and is_quantized_in_training(key, tensor):
+                    tensor = nf4_round_trip(tensor, adapter.recipe)
+                if key in deltas:
+                    lora_a, lora_b = deltas[key]
+                    tensor = tensor.float() + (lora_b.float() @ lora_a.float()) * adapter.scale
+                yield key, tensor
+                bar.update()
 
 
 def export_merged(
@@ -294,12 +363,10 @@ def export_merged(
     out_dtype = OUTPUT_DTYPES[dtype]
 
     with publish_directory(out, replace=overwrite) as staging:
-        writer, total = ShardWriter(staging, max_bytes), 0
+        writer = StreamingShardWriter(staging, output_layout(files, out_dtype), max_bytes)
         for key, tensor in merged_tensors(files, adapter, base_variant, progress):
-            tensor = tensor.to(out_dtype) if tensor.is_floating_point() else tensor
-            writer.add(key, tensor)
-            total += tensor.numel() * tensor.element_size()
-        writer.finish(total)
+            writer.write(key, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
+        writer.finish()
         config = AutoConfig.from_pretrained(base_dir)
         if hasattr(config, "quantization_config"):
             del config.quantization_config

@@ -62,6 +62,16 @@ def test_adapter_that_does_not_fit_the_base_is_refused_before_writing(adapter_di
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+def test_adapter_for_another_architecture_is_refused_before_writing(adapter_dir, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    base = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300)).save_pretrained(base)
+    with pytest.raises(ConfigError, match="which base .* does not have \\(different architecture, or the wrong --base\\)"):
+        export_merged(adapter_dir, tmp_path / "out", base=str(base), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_output_is_refused_unless_overwrite(adapter_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -118,15 +128,15 @@ def test_killed_export_leaves_no_output_that_looks_complete(adapter_dir, tmp_pat
     script = (
         "import sys, time\n"
         "from fsdp_peft import export\n"
-        "flush = export.ShardWriter.flush\n"
-        "def slow_flush(self):\n"
-        "    flush(self); time.sleep(0.5)\n"
-        "export.ShardWriter.flush = slow_flush\n"
+        "write = export.StreamingShardWriter.write\n"
+        "def slow_write(self, key, tensor):\n"
+        "    write(self, key, tensor); time.sleep(0.05)\n"
+        "export.StreamingShardWriter.write = slow_write\n"
         f"export.export_merged({str(adapter_dir)!r}, {str(out)!r}, dtype='fp32', max_shard_size='200KB', progress=False)\n"
     )
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 60
-    while not list(tmp_path.glob(".out.partial.*/part-00001.safetensors")) and time.time() < deadline:
+    while not list(tmp_path.glob(".out.partial.*/model-00002-of-*.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
     assert process.poll() is None, "the export finished before it could be interrupted"
     process.send_signal(signal.SIGKILL)

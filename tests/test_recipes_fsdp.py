@@ -280,9 +280,10 @@ def test_export_from_adapter_and_from_sharded_checkpoint_equals_peft_merge(run, 
     from fsdp_peft.export import export_merged
 
     reference = _peft_merged_reference(run, torch.float32)
-    sources = ["adapter"] + ([f"checkpoint-{STEPS}"] if run["version"] == 2 else [])  # FSDP1 keeps no checkpoints
+    # the final adapter, the training output_dir (which holds it), and FSDP2's sharded checkpoint
+    sources = ["adapter", "."] + ([f"checkpoint-{STEPS}"] if run["version"] == 2 else [])  # FSDP1 keeps none
     for name in sources:
-        out = export_merged(run["dir"] / name, tmp_path / name, dtype="fp32", progress=False)
+        out = export_merged(run["dir"] / name, tmp_path / name.replace(".", "output_dir"), dtype="fp32", progress=False)
         merged = load_file(out / "model.safetensors")
         assert merged.keys() == reference.keys()
         for key, want in reference.items():
@@ -296,7 +297,8 @@ def test_bf16_export_is_within_one_ulp_of_peft_merge(run, tmp_path, bf16_base):
     from fsdp_peft.export import export_merged
 
     reference = _peft_merged_reference(run, torch.bfloat16, base=bf16_base)
-    out = export_merged(run["dir"] / "adapter", tmp_path / "bf16", base=str(bf16_base), dtype="bf16", progress=False)
+    source = run["dir"] / (f"checkpoint-{STEPS}" if run["version"] == 2 else "adapter")
+    out = export_merged(source, tmp_path / "bf16", base=str(bf16_base), dtype="bf16", progress=False)
     merged = load_file(out / "model.safetensors")
     for key, want in reference.items():
         got = merged[key]
@@ -324,6 +326,9 @@ def test_exported_directory_loads_without_peft_and_matches_base_plus_adapter(run
     assert "quantization_config" not in config
     for name in ("generation_config.json", "tokenizer.json", "README.md"):
         assert (out / name).is_file(), name
+    card = (out / "README.md").read_text()
+    assert str(run["model"]) in card and "## Recipe config" in card and "## Training summary" in card
+    assert f'"load_in_4bit": {str(run["recipe"] == "llama_qlora").lower()}' in card
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
