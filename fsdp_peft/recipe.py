@@ -46,7 +46,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         recipe_config=dataclasses.asdict(recipe),
     )
 
-    train_output = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    train_output = trainer.train(resume_from_checkpoint=resume_point(training))
     output_dir = Path(training.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()
@@ -79,6 +79,22 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
     (output_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(summary(results, output_dir))
     return results
+
+
+def resume_point(training) -> str | None:
+    """``resume_from_checkpoint``: a checkpoint path, or ``auto``/``true`` for the latest complete one.
+
+    Checkpoints appear under their ``checkpoint-N`` name only once complete, so the latest such
+    directory is always whole. With ``auto`` and no checkpoint yet, training starts from scratch.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    value = training.resume_from_checkpoint
+    if str(value).lower() not in ("auto", "true"):
+        return value
+    if not Path(training.output_dir).is_dir():
+        return None
+    return get_last_checkpoint(training.output_dir)
 
 
 def summary(results: dict, output_dir: Path) -> str:

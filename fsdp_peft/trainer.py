@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers.trainer
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
@@ -70,12 +71,39 @@ class PeftFsdpTrainer(Trainer):
         return prepared
 
     def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, plus what export needs to read its sharded adapter: config and recipe."""
-        super()._save_checkpoint(model, trial)
+        """Trainer's checkpoint, made visible only when complete, plus adapter config and recipe for export.
+
+        Every rank writes into ``.checkpoint-N.partial`` beside the run's checkpoints; once all are done,
+        rank 0 renames it to ``checkpoint-N``. A crash mid-save leaves only the hidden directory, which
+        Trainer's checkpoint discovery (``checkpoint-<number>``) never picks.
+        """
+        run_dir = Path(self._get_output_dir(trial=trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_run = run_dir / f".{name}.partial"
+        final = run_dir / name
+        original = self._get_output_dir
+        self._get_output_dir = lambda trial=None: str(staging_run)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._get_output_dir = original
         if self.args.should_save:
-            checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            if checkpoint.is_dir():
-                write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, checkpoint)
+            write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging_run / name)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(staging_run / name, final)
+            shutil.rmtree(staging_run)
+            if self.state.best_model_checkpoint and str(staging_run) in self.state.best_model_checkpoint:
+                self.state.best_model_checkpoint = str(final)
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
 
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.

@@ -59,3 +59,42 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert read_json(one_rank / "fsdp_layout.json")["world_size"] == 1
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+
+
+def test_killed_rank_then_automatic_resume_ends_with_the_uninterrupted_adapter(tmp_path, tiny_model_dir):
+    """kill -9 one rank once a checkpoint exists; relaunching with ``resume_from_checkpoint auto`` finishes
+    the run from the last complete checkpoint, and the final adapter equals an uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port
+
+    steps = ["--max_steps", "16", *COMMON, "--save_steps", "4"]
+    launch_recipe("llama_lora", "--output_dir", str(tmp_path / "full"), *steps)
+
+    crashed = tmp_path / "crashed"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
+        "--main_process_port", str(free_port()), str(REPO / "recipes" / "llama_lora.py"),
+        "--output_dir", str(crashed), *steps,
+    ]  # fmt: skip
+    launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (crashed / "checkpoint-4").is_dir() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.02)
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())]
+    assert launcher.poll() is None and ranks, "the run ended before a rank could be killed"
+    ranks[-1].send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0
+    assert not (crashed / "adapter").exists()
+
+    launch_recipe("llama_lora", "--output_dir", str(crashed), *steps, "--resume_from_checkpoint", "auto")
+    reference = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(crashed / "adapter" / "adapter_model.safetensors")
+    for key, tensor in reference.items():
+        assert (adapter[key] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), key
+    assert not [p for p in crashed.iterdir() if p.name.endswith(".partial")]
