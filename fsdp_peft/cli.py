@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
+from fsdp_peft.export import OUTPUT_DTYPES
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("source", type=Path, help="adapter directory, Trainer checkpoint, or training output_dir")
     export.add_argument("--out", type=Path, required=True, help="directory to create")
     export.add_argument("--base", help="base model (hub id or directory); default: the adapter's own")
-    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    export.add_argument("--dtype", default="bf16", choices=list(OUTPUT_DTYPES))
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
     export.add_argument(
         "--base-variant", default="exact", choices=["exact", "nf4"],

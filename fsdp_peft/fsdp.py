@@ -51,8 +51,7 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     # Both states, as accelerate itself does: every later `AcceleratorState()` re-copies `PartialState`.
-    shared = [state.__dict__, PartialState._shared_state]
-    for values in shared:
+    for values in (state.__dict__, PartialState._shared_state):
         values["distributed_type"] = DistributedType.FSDP
         if plugin.fsdp_version == 1:  # FSDP1 compares its compute device "cpu" with accelerate's "cpu:0"
             values["device"] = torch.device("cpu")
@@ -89,6 +88,10 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
     return ["+".join(names) for names in units.values()]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def parameter_layout(model: torch.nn.Module) -> list[dict]:
     """Per stored parameter (FSDP1: per flat parameter): dtype, trainable, full and local shape, placement."""
     from torch.distributed.tensor import DTensor
@@ -103,7 +106,7 @@ def parameter_layout(model: torch.nn.Module) -> list[dict]:
         layout.append(
             {
                 "name": unit_name(name),
-                "dtype": str(parameter.dtype).removeprefix("torch."),
+                "dtype": _dtype_name(parameter.dtype),
                 "trainable": parameter.requires_grad,
                 "shape": list(full),
                 "local_shape": list(local.shape),
@@ -111,10 +114,6 @@ def parameter_layout(model: torch.nn.Module) -> list[dict]:
             }
         )
     return layout
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class FsdpLayoutReport(TrainerCallback):

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.tiny import TINY_DATASET_NAME
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +39,7 @@ class FsdpSettings:
     use_orig_params: bool
     offload_params: bool
     activation_checkpointing: bool
+    cpu_ram_efficient_loading: bool
 
 
 def _truthy(value) -> bool:
@@ -65,6 +69,7 @@ def fsdp_settings(training: dict) -> FsdpSettings | None:
             use_orig_params=_truthy(config.get("use_orig_params", "true")),
             offload_params=_truthy(config.get("cpu_offload", False)) or "offload" in fsdp,
             activation_checkpointing=_truthy(config.get("activation_checkpointing", False)),
+            cpu_ram_efficient_loading=_truthy(config.get("cpu_ram_efficient_loading", False)),
         )
     if not fsdp_in_use(training):
         return None
@@ -77,6 +82,7 @@ def fsdp_settings(training: dict) -> FsdpSettings | None:
         use_orig_params=_truthy(env.get("FSDP_USE_ORIG_PARAMS", "false")),
         offload_params=_truthy(env.get("FSDP_OFFLOAD_PARAMS", "false")),
         activation_checkpointing=_truthy(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")),
+        cpu_ram_efficient_loading=_truthy(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")),
     )
 
 
@@ -100,8 +106,8 @@ def _dtype_keys_are_known(recipe, training) -> str | None:
         value = getattr(recipe, key)
         if value not in FLOATING_DTYPES:
             return f"{key}: '{value}' is not one of {', '.join(FLOATING_DTYPES)}"
-    if recipe.export_dtype not in ("bf16", "fp16", "fp32"):
-        return f"export_dtype: '{recipe.export_dtype}' is not one of bf16, fp16, fp32"
+    if recipe.export_dtype not in OUTPUT_DTYPES:
+        return f"export_dtype: '{recipe.export_dtype}' is not one of {', '.join(OUTPUT_DTYPES)}"
     return None
 
 
@@ -227,21 +233,13 @@ def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
 
 def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
     settings = fsdp_settings(training)
-    ram_efficient = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true" or _truthy(
-        _yaml_fsdp_config(training).get("cpu_ram_efficient_loading", False) if training.get("fsdp") else False
-    )
-    if settings and settings.version == 1 and ram_efficient and not torch_accelerator_available():
+    cpu_mode = not torch.accelerator.is_available()
+    if settings and settings.version == 1 and settings.cpu_ram_efficient_loading and cpu_mode:
         return (
             "cpu_ram_efficient_loading needs FSDP1's sync_module_states, which FSDP1 refuses for CPU tensors; "
             "in the CPU mode set cpu_ram_efficient_loading: false (or use FSDP2)"
         )
     return None
-
-
-def torch_accelerator_available() -> bool:
-    import torch
-
-    return torch.accelerator.is_available()
 
 
 RULES: list[Callable] = [
