@@ -22,6 +22,7 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 
 DTYPES = ("float32", "bfloat16", "float16")
+GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
 
 
 @dataclass
@@ -63,6 +64,13 @@ class RecipeArguments:
     generate_samples: int = field(default=200, metadata={"help": "held-out prompts to generate after training; 0: none"})
     generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
     generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})
+    generate_gather_budget: str = field(
+        default="auto",
+        metadata={"help": "FSDP2: gathered weights generate may keep for the whole call: " + GATHER_BUDGET_HELP},
+    )
+    generate_eval_samples: int = field(
+        default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
+    )
 
 
 class _Parser(HfArgumentParser):

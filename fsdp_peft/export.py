@@ -193,11 +193,11 @@ def is_quantized_in_training(key: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and ".layers." in key and key.endswith(".weight")
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes as an integer."""
+def parse_size(text: str, key: str = "--max-shard-size") -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes as an integer; errors name ``key``."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
     if not match:
-        raise ConfigError(f"--max-shard-size: '{text}' is not a size like 5GB, 500MB or 2GiB")
+        raise ConfigError(f"{key}: '{text}' is not a size like 5GB, 500MB or 2GiB")
     unit = (match[2] or "B").upper()
     powers = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     return int(float(match[1]) * powers[unit])

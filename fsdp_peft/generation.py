@@ -1,13 +1,22 @@
-"""Greedy generation from the (possibly still sharded) model, with prompts spread over the ranks.
+"""Generation from the (possibly still sharded) model, with prompts spread over the ranks.
 
-Every rank runs the same number of ``generate`` calls (FSDP forwards are collectives), each on its own
-slice of the prompts; rank 0 gathers the completions back into prompt order.
+Every rank takes its own slice of the prompts; rank 0 gathers the completions back into prompt order.
+
+Under FSDP2, `parameters_gathered` all-gathers the units once before ``generate`` and keeps them whole
+until it returns, instead of once per new token: up to a memory budget, in module order, so a model
+that does not fit whole keeps as many units as fit and the rest gather per forward as in training.
+When every unit is kept, ``generate`` issues no collective at all and each rank runs only its own
+prompts; otherwise every rank joins every forward (``synced_gpus``) and a rank without prompts of its
+own runs a placeholder. FSDP1 roots gather per forward (see `fsdp_peft.policies.register_generate`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,42 +27,169 @@ from fsdp_peft.data import Example, render_prompt
 from fsdp_peft.fsdp import is_sharded
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How to generate: length, greedy or sampled, prompts per call, and the FSDP2 gather budget."""
+
+    max_new_tokens: int = 32
+    batch_size: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gather_budget: str = "auto"
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> GenerationSettings:
+        return cls(recipe.generate_max_new_tokens, recipe.generate_batch_size, gather_budget=recipe.generate_gather_budget)
+
+    def sampling_kwargs(self) -> dict:
+        if not self.do_sample:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+
+
+def parse_gather_budget(text: str) -> int | None:
+    """Bytes of gathered units ``generate`` may keep: ``None`` for all, 0 for none, else a size."""
+    from fsdp_peft.export import parse_size
+
+    value = str(text).strip().lower()
+    if value == "all":
+        return None
+    if value == "none":
+        return 0
+    if value == "auto":
+        return _free_memory() // 2
+    return parse_size(text, "generate_gather_budget")
+
+
+def _free_memory() -> int:
+    """Free memory on this rank's device: the accelerator's, else the host's available RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
+def _fsdp2_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def gathered_bytes(unit: torch.nn.Module) -> int:
+    """Bytes an FSDP2 unit's own parameters take when gathered (global size × gather dtype)."""
+    state = unit._get_fsdp_state()
+    param_dtype = state._mp_policy.param_dtype
+    return sum(
+        p.sharded_param.numel() * (param_dtype or p.sharded_param.dtype).itemsize
+        for group in state._fsdp_param_groups
+        for p in group.fsdp_params
+    )
+
+
+def _budget_agreed_by_all_ranks(budget: int | None) -> int | None:
+    """The smallest budget over the ranks: every rank must keep the same units, or collectives mismatch."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return budget
+    value = torch.tensor([-1 if budget is None else budget], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    values = [torch.zeros_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, value)
+    finite = [int(v.item()) for v in values if v.item() >= 0]
+    return min(finite) if finite else None
+
+
+@contextlib.contextmanager
+def parameters_gathered(model: torch.nn.Module, budget: int | None) -> Iterator[bool]:
+    """Keep FSDP2 units gathered for the whole block, up to ``budget`` bytes; yields whether all are.
+
+    Units are taken in module order (root, then layers in order) while they fit. On exit every kept unit
+    is resharded and its ``reshard_after_forward`` setting restored. Collective: every rank must enter.
+    Not an FSDP2 model: yields True when unsharded (nothing to gather), False for FSDP1.
+    """
+    units = _fsdp2_units(model)
+    if not units:
+        yield not is_sharded(model)
+        return
+    budget = _budget_agreed_by_all_ranks(budget)
+    kept, used = [], 0
+    for unit in units:
+        size = gathered_bytes(unit)
+        if budget is None or used + size <= budget:
+            kept.append(unit)
+            used += size
+    saved = [_reshard_setting(unit) for unit in kept]
+    try:
+        for unit in kept:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        yield len(kept) == len(units)
+    finally:
+        for unit, setting in zip(kept, saved):
+            unit.reshard()
+            _restore_reshard_setting(unit, setting)
+
+
+def _reshard_setting(unit) -> tuple:
+    # FSDP2 keeps reshard-after-forward as per-group mesh info; the root also has an "auto" flag.
+    state = unit._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_setting(unit, setting: tuple) -> None:
+    state = unit._get_fsdp_state()
+    state._auto_reshard_after_forward, infos = setting
+    for group, info in zip(state._fsdp_param_groups, infos):
+        group.post_forward_mesh_info = info
+
+
 @torch.no_grad()
 def generate_completions(
-    model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, device: torch.device
+    model, tokenizer, prompts: list[str], settings: GenerationSettings, device: torch.device, streamer=None
 ) -> list[str] | None:
-    """Greedy completions for ``prompts``: the full list on rank 0, ``None`` on other ranks."""
+    """Completions for ``prompts``: the full list on rank 0, ``None`` on other ranks.
+
+    ``streamer`` (a transformers streamer) receives rank 0's tokens as they are generated; it needs
+    batches of one prompt.
+    """
     rank, world = _rank_and_world()
     mine = list(range(rank, len(prompts), world))
-    batches = math.ceil(math.ceil(len(prompts) / world) / batch_size) if prompts else 0
-    synced = is_sharded(model) and world > 1
     was_training = model.training
     model.eval()
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     results: list[tuple[int, str]] = []
     try:
-        for index in range(batches):
-            chunk = mine[index * batch_size : (index + 1) * batch_size]
-            texts = [prompts[i] for i in chunk] or [prompts[0]]  # a rank out of prompts still joins the forwards
-            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            output = model.generate(
-                **encoded,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                synced_gpus=synced,
-            )
-            new_tokens = output[:, encoded["input_ids"].shape[1] :]
-            decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-            results.extend(zip(chunk, decoded))
+        with parameters_gathered(model, parse_gather_budget(settings.gather_budget)) as whole:
+            synced = world > 1 and not whole
+            # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
+            per_rank = math.ceil(len(prompts) / world) if synced else len(mine)
+            for index in range(math.ceil(per_rank / settings.batch_size)):
+                chunk = mine[index * settings.batch_size : (index + 1) * settings.batch_size]
+                texts = [prompts[i] for i in chunk] or [prompts[0]]
+                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                output = model.generate(
+                    **encoded,
+                    max_new_tokens=settings.max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
+                    synced_gpus=synced,
+                    streamer=streamer if rank == 0 else None,
+                    **settings.sampling_kwargs(),
+                )
+                new_tokens = output[:, encoded["input_ids"].shape[1] :]
+                decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                results.extend(zip(chunk, decoded))
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)
@@ -73,19 +209,24 @@ def evaluate_exact_match(
 
     With ``samples_path``, rank 0 also writes one JSON line per example: prompt, expected, generated.
     """
-    prompts = [render_prompt(tokenizer, e.prompt, recipe.use_chat_template) for e in examples]
-    completions = generate_completions(
-        model, tokenizer, prompts, recipe.generate_max_new_tokens, recipe.generate_batch_size, device
-    )
+    completions = _complete(model, tokenizer, examples, recipe, device)
     if completions is None:
         return None
     hits = [c.strip() == e.completion.strip() for c, e in zip(completions, examples)]
     if samples_path is not None:
         with open(samples_path, "w") as handle:
             for example, completion, hit in zip(examples, completions, hits):
-                row = {"prompt": example.prompt, "expected": example.completion, "generated": completion, "exact": hit}
-                handle.write(json.dumps(row) + "\n")
+                handle.write(json.dumps(_sample_row(example, completion) | {"exact": hit}) + "\n")
     return sum(hits) / len(hits)
+
+
+def _complete(model, tokenizer, examples: list[Example], recipe, device: torch.device) -> list[str] | None:
+    prompts = [render_prompt(tokenizer, e.prompt, recipe.use_chat_template) for e in examples]
+    return generate_completions(model, tokenizer, prompts, GenerationSettings.from_recipe(recipe), device)
+
+
+def _sample_row(example: Example, completion: str) -> dict:
+    return {"prompt": example.prompt, "expected": example.completion, "generated": completion}
 
 
 class ExactMatchBeforeTraining(TrainerCallback):
@@ -102,3 +243,27 @@ class ExactMatchBeforeTraining(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.examples and state.global_step == 0:
             self.accuracy = evaluate_exact_match(model, self.tokenizer, self.examples, self.recipe, args.device)
+
+
+class SamplesAtEvaluation(TrainerCallback):
+    """At each evaluation, completes ``examples`` on the sharded model and shows them (rank 0).
+
+    They are printed and appended to ``output_dir/eval_samples.jsonl`` with the step, so a run's progress
+    can be read as text, not only as a loss.
+    """
+
+    def __init__(self, tokenizer, examples: list[Example], recipe):
+        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if not self.examples:
+            return
+        completions = _complete(model, self.tokenizer, self.examples, self.recipe, args.device)
+        if completions is None:
+            return
+        lines = [f"[fsdp-peft] samples at step {state.global_step}:"]
+        with open(Path(args.output_dir) / "eval_samples.jsonl", "a") as handle:
+            for example, completion in zip(self.examples, completions):
+                handle.write(json.dumps({"step": state.global_step, **_sample_row(example, completion)}) + "\n")
+                lines.append(f"  {example.prompt!r} -> {completion!r} (expected {example.completion!r})")
+        print("\n".join(lines), flush=True)

@@ -24,14 +24,13 @@ import functools
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import FullyShardedDataParallelPlugin
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def decoder_layer_classes(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> set[type]:
-    """The decoder layer classes that become units: the config's names, else ``_no_split_modules``."""
-    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None = None) -> set[type]:
+    """The decoder layer classes that become units: the ``configured`` names, else ``_no_split_modules``."""
+    names = configured or list(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     missing = set(names) - {c.__name__ for c in classes}
     if missing:
@@ -87,7 +86,7 @@ def configure_fsdp_for_peft(model: torch.nn.Module, accelerator: Accelerator, re
 
     state = accelerator.state
     plugin = state.fsdp_plugin
-    layer_classes = decoder_layer_classes(model, plugin)
+    layer_classes = decoder_layer_classes(model, plugin.transformer_cls_names_to_wrap)
     if plugin.fsdp_version == 1:
         plugin.auto_wrap_policy = fsdp1_wrap_policy(model, layer_classes)
     elif getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is not size_based_auto_wrap_policy:
@@ -115,3 +114,22 @@ def register_generate(model: torch.nn.Module) -> None:
             return inner_generate(*args, **kwargs)
 
     model.generate = generate
+
+
+def shard_for_generation(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Shard an inference model with FSDP2 over all ranks: one unit per decoder layer, then the root.
+
+    ``generate`` is registered as an FSDP forward method, as `Trainer` does after preparing a model.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layer_classes = tuple(decoder_layer_classes(model))
+    for module in list(model.modules()):
+        if isinstance(module, layer_classes):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "generate")
+    return model

@@ -18,7 +18,7 @@ from transformers import DataCollatorForSeq2Seq, set_seed
 from fsdp_peft.config import parse_recipe_config
 from fsdp_peft.data import IGNORE_INDEX, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
-from fsdp_peft.generation import ExactMatchBeforeTraining, evaluate_exact_match
+from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.export import export_merged
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
 from fsdp_peft.trainer import PeftFsdpTrainer
@@ -42,7 +42,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True),
         processing_class=tokenizer,
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
-        callbacks=[before],
+        callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
         recipe_config=dataclasses.asdict(recipe),
     )
 

@@ -7,6 +7,7 @@ Each rule is a small function returning a problem message (key, value, rule, fix
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,8 +162,22 @@ def _positive_sizes(recipe, training) -> str | None:
     for key in ("lora_r", "max_seq_length", "generate_max_new_tokens", "generate_batch_size"):
         if getattr(recipe, key) <= 0:
             return f"{key}: must be positive, got {getattr(recipe, key)}"
-    if recipe.generate_samples < 0:
-        return f"generate_samples: must be 0 (no generation) or more, got {recipe.generate_samples}"
+    for key in ("generate_samples", "generate_eval_samples"):
+        if getattr(recipe, key) < 0:
+            return f"{key}: must be 0 (no generation) or more, got {getattr(recipe, key)}"
+    return None
+
+
+def _gather_budget_is_a_size(recipe, training) -> str | None:
+    from fsdp_peft.export import parse_size
+    from fsdp_peft.config import GATHER_BUDGET_HELP
+
+    if str(recipe.generate_gather_budget).strip().lower() in ("auto", "all", "none"):
+        return None
+    try:
+        parse_size(recipe.generate_gather_budget, "generate_gather_budget")
+    except ConfigError:
+        return f"generate_gather_budget: '{recipe.generate_gather_budget}' is not {GATHER_BUDGET_HELP}"
     return None
 
 
@@ -242,6 +257,38 @@ def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
     return None
 
 
+def _checkpoints_are_finished_by_one_rank(recipe, training) -> str | None:
+    strategy = str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
+    if fsdp_in_use(training) and _truthy(training.get("save_on_each_node", False)) and strategy != "no":
+        return (
+            "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint "
+            "directory and one rank completes it, so the first rank of each node would complete it too (they "
+            "collide on a shared filesystem; on node-local disks no node holds a whole checkpoint); set "
+            "save_on_each_node: false and put output_dir on a filesystem all nodes share"
+        )
+    return None
+
+
+PARALLELISM_SIZES = ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP")
+
+
+def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
+    env = os.environ
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" or "WORLD_SIZE" not in env:
+        return None
+    sizes = {name.lower(): int(env.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1")) for name in PARALLELISM_SIZES}
+    product = math.prod(sizes.values())
+    world = int(env["WORLD_SIZE"])
+    if product != world:
+        named = " x ".join(f"{name}_size {size}" for name, size in sizes.items() if size > 1 or name.startswith("dp"))
+        return (
+            f"parallelism_config: {named} = {product} ranks, but this launch has {world} (num_processes); "
+            "for HSDP set parallelism_config_dp_replicate_size to the number of nodes and "
+            "parallelism_config_dp_shard_size to the processes per node"
+        )
+    return None
+
+
 RULES: list[Callable] = [
     _dtype_keys_are_known,
     _quant_storage_is_floating_under_fsdp,
@@ -249,6 +296,7 @@ RULES: list[Callable] = [
     _data_files_exist,
     _local_model_path_exists,
     _positive_sizes,
+    _gather_budget_is_a_size,
     _fsdp_needs_several_processes,
     _one_activation_checkpointing,
     _save_only_model_needs_full_state_dict,
@@ -256,6 +304,8 @@ RULES: list[Callable] = [
     _fsdp1_checkpoints_would_lose_the_adapter,
     _offload_needs_a_cpu_optimizer,
     _cpu_mode_cannot_load_on_rank_0_only,
+    _checkpoints_are_finished_by_one_rank,
+    _parallelism_config_fills_the_launch,
 ]
 
 

@@ -30,11 +30,10 @@ def test_mixed_precision_gathers_in_bf16_and_reduces_as_configured(version, redu
 
 
 def test_decoder_layers_come_from_no_split_modules_or_the_config(peft_model):
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    assert decoder_layer_classes(peft_model, plugin) == {LlamaDecoderLayer}
-    plugin.transformer_cls_names_to_wrap = ["MistralDecoderLayer"]
+    assert decoder_layer_classes(peft_model) == {LlamaDecoderLayer}
+    assert decoder_layer_classes(peft_model, ["LlamaDecoderLayer"]) == {LlamaDecoderLayer}
     with pytest.raises(ValueError, match=r"no module of class \['MistralDecoderLayer'\] in the model"):
-        decoder_layer_classes(peft_model, plugin)
+        decoder_layer_classes(peft_model, ["MistralDecoderLayer"])
 
 
 def test_fsdp1_policy_wraps_layers_adapter_leaves_and_untied_embeddings_only(peft_model):

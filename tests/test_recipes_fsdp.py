@@ -189,7 +189,7 @@ def test_saved_adapter_on_a_fresh_unsharded_base_reproduces_the_eval_loss(run):
 def test_sharded_greedy_generation_matches_the_unsharded_model(run):
     from transformers import AutoTokenizer
 
-    from fsdp_peft.generation import generate_completions
+    from fsdp_peft.generation import GenerationSettings, generate_completions
 
     samples = [json.loads(line) for line in (run["dir"] / "samples.jsonl").read_text().splitlines()]
     _, eval_path = data_files(RecipeArguments())
@@ -203,7 +203,7 @@ def test_sharded_greedy_generation_matches_the_unsharded_model(run):
     tokenizer = AutoTokenizer.from_pretrained(run["model"])
     prompts = [render_prompt(tokenizer, s["prompt"], use_chat_template=True) for s in samples]
     with _autocast(run):
-        unsharded = generate_completions(model, tokenizer, prompts, 8, 50, torch.device("cpu"))
+        unsharded = generate_completions(model, tokenizer, prompts, GenerationSettings(8, 50), torch.device("cpu"))
     assert unsharded == [s["generated"] for s in samples]
 
 

@@ -1,0 +1,155 @@
+"""Generation benchmark: tokens/second of greedy decoding from the tiny model sharded over 2 CPU ranks.
+
+Three runs of the same weights (the embedded tiny Llama with a seeded, random LoRA adapter, fp32),
+each generating ``--new-tokens`` tokens greedily for each of ``--prompts`` prompts:
+
+- ``unsharded``: one process, the whole model, all prompts in one batch, run with 1 thread and with
+  all cores' threads; the faster one is the reference;
+- ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.policies.shard_for_generation`), prompts spread over
+  the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``);
+- ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
+  (``generate_gather_budget: none``, what FSDP2 does by default).
+
+Each run times ``--repeats`` calls after one warm-up call, counts FSDP all-gathers per call, and
+returns its completions; the three must agree token for token. Prints a table and writes
+``benchmarks/results/generation.json``.
+
+    python benchmarks/generation.py
+    python benchmarks/generation.py --prompts 8 --new-tokens 64 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+MODES = {"unsharded": None, "unsharded_1_thread": None, "sharded": "all", "naive": "none"}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.generation import GenerationSettings, generate_completions
+    from fsdp_peft.modeling import load_base_model, load_tokenizer
+    from fsdp_peft.policies import shard_for_generation
+
+    recipe = RecipeArguments(torch_dtype="float32")
+    if args.worker == "unsharded_1_thread":
+        torch.set_num_threads(1)
+    sharded = MODES[args.worker] is not None
+    if sharded:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)  # the same random, non-zero adapter in every process
+    tokenizer = load_tokenizer(recipe)
+    model = get_peft_model(load_base_model(recipe), LoraConfig(r=32, target_modules="all-linear", init_lora_weights=False))
+    if sharded:
+        shard_for_generation(model, torch.device("cpu"))
+    gathers = [0]
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counting_all_gather(*a, **k):
+        gathers[0] += 1
+        return original(*a, **k)
+
+    _fsdp_param_group.foreach_all_gather = counting_all_gather
+    prompts = [f"<|user|>{word}<|assistant|>" for word in ("apple", "river", "cloud", "stone", "light",
+                                                            "grass", "tiger", "piano", "ocean", "maple")]  # fmt: skip
+    prompts = (prompts * args.prompts)[: args.prompts]
+    settings = GenerationSettings(args.new_tokens, batch_size=args.prompts, gather_budget=MODES[args.worker] or "all",
+                                  ignore_eos=True)  # fmt: skip
+    generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))  # warm-up
+    gathers[0] = 0
+    if sharded:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+    seconds = (time.perf_counter() - start) / args.repeats
+    if not sharded or dist.get_rank() == 0:
+        tokens = args.prompts * args.new_tokens
+        print(json.dumps({
+            "mode": args.worker, "seconds_per_call": seconds, "tokens_per_call": tokens,
+            "tokens_per_second": tokens / seconds, "all_gathers_per_call_rank0": gathers[0] / args.repeats,
+            "processes": dist.get_world_size() if sharded else 1, "threads_per_process": torch.get_num_threads(),
+            "completions": completions,
+        }), flush=True)  # fmt: skip
+    if sharded:
+        dist.destroy_process_group()
+
+
+def run(mode: str, args: argparse.Namespace) -> dict:
+    script = [str(Path(__file__).resolve()), "--worker", mode, "--prompts", str(args.prompts),
+              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+    if MODES[mode] is None:
+        command = [sys.executable, *script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), *script]  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        sys.exit(f"{mode} run failed:\n{result.stderr[-4000:]}")
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    runs = {mode: run(mode, args) for mode in MODES}
+    completions = {mode: r.pop("completions") for mode, r in runs.items()}
+    reference = max(("unsharded", "unsharded_1_thread"), key=lambda mode: runs[mode]["tokens_per_second"])
+    agree = all(c == completions["unsharded"] for c in completions.values())
+    for mode, r in runs.items():
+        print(f"{mode:>18}: {r['tokens_per_second']:8.1f} tokens/s  ({r['seconds_per_call']:.3f} s per call, "
+              f"{r['processes']} process(es) x {r['threads_per_process']} thread(s), "
+              f"{r['all_gathers_per_call_rank0']:.0f} all-gathers per call)")  # fmt: skip
+    ratio = runs["sharded"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
+    naive_ratio = runs["naive"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
+    print(f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}")
+    print(f"completions identical across the three runs: {agree}")
+    import transformers
+
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/generation.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, {platform.processor() or platform.system()}",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "prompts": args.prompts, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "runs": runs, "reference": reference, "sharded_over_unsharded": ratio, "naive_over_unsharded": naive_ratio,
+        "completions_identical": agree,
+    }  # fmt: skip
+    out = HERE / "results" / "generation.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"written to {out}")
+    if not agree:
+        sys.exit("completions differ between the runs")
+
+
+if __name__ == "__main__":
+    main()
