@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.export import OUTPUT_DTYPES
 
@@ -25,6 +26,12 @@ def _export(args: argparse.Namespace) -> None:
         base_variant=args.base_variant, overwrite=args.overwrite, verify=args.verify,
     )  # fmt: skip
     print(f"merged model written to {out}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from fsdp_peft.inference import run_generate
+
+    run_generate(args)
 
 
 def _tiny(args: argparse.Namespace) -> None:
@@ -53,6 +60,28 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     export.add_argument("--verify", action="store_true", help="reload the export and compare logits")
     export.set_defaults(run=_export)
+    generate = commands.add_parser(
+        "generate", help="complete prompts with a trained adapter or merged model (sharded under accelerate launch)"
+    )
+    generate.add_argument(
+        "source", type=Path, help="merged model directory, adapter directory, Trainer checkpoint, or training output_dir"
+    )
+    generate.add_argument("--base", help="base model for an adapter (hub id or directory); default: the adapter's own")
+    prompts = generate.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt(s) to complete")
+    prompts.add_argument("--prompts-file", type=Path, metavar="F", help="one prompt per line, or JSONL with 'prompt'")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    generate.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    generate.add_argument("--temperature", type=float, metavar="T", help="sample with this temperature")
+    generate.add_argument("--top-p", type=float, metavar="P", help="sample from the top-p nucleus")
+    generate.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    chat = generate.add_mutually_exclusive_group()
+    chat.add_argument("--chat", action="store_true", default=None, help="render prompts with the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="use prompts as raw text")
+    generate.add_argument("--batch-size", type=int, default=8, help="prompts per generate call on each rank")
+    generate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
+    generate.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, completion")
+    generate.set_defaults(run=_generate)
     tiny = commands.add_parser("tiny-model", help="build the embedded tiny model (once) and print its path")
     tiny.set_defaults(run=_tiny)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

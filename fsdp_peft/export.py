@@ -30,6 +30,10 @@ OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 RECIPE_FILE = "fsdp_peft_recipe.json"
 PEFT_PREFIX = "base_model.model."
 DCP_DIR = "pytorch_model_fsdp_0"
+ADAPTER_SOURCES = (
+    "an adapter directory (adapter_config.json + adapter_model.safetensors), "
+    f"a Trainer checkpoint ({DCP_DIR}/), or a training output_dir (adapter/ or checkpoint-N/)"
+)
 UNSUPPORTED_ADAPTER_KEYS = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
 
 
@@ -117,10 +121,7 @@ def find_adapter(source: Path) -> Adapter:
     elif (checkpoint := _latest_checkpoint(source)) is not None:
         return find_adapter(checkpoint)
     else:
-        raise ConfigError(
-            f"SOURCE: {source} is none of: an adapter directory (adapter_config.json + adapter_model.safetensors), "
-            f"a Trainer checkpoint ({DCP_DIR}/), or a training output_dir (adapter/ or checkpoint-N/)"
-        )
+        raise ConfigError(f"SOURCE: {source} is none of: {ADAPTER_SOURCES}")
     _check_adapter_config(adapter.config, adapter.origin)
     return adapter
 
@@ -378,6 +379,8 @@ def export_merged(
             GenerationConfig.from_model_config(config).save_pretrained(staging)
         AutoTokenizer.from_pretrained(base_dir).save_pretrained(staging)
         (staging / "README.md").write_text(model_card(adapter, base_dir, dtype, base_variant))
+        if adapter.recipe:  # how prompts were rendered in training, for `fsdp-peft generate`
+            (staging / RECIPE_FILE).write_text(json.dumps(adapter.recipe, indent=1, sort_keys=True))
         if verify:
             print(verify_export(staging, adapter, base_dir, base_variant, dtype))
     return out

@@ -5,17 +5,21 @@ CPU mode. Accelerate builds FSDP state only on accelerators: a CPU launch whose 
 when FSDP was asked for (accelerate config or ``fsdp`` in the recipe YAML) and accelerate fell back to
 ``MULTI_CPU``, it installs the same `FullyShardedDataParallelPlugin` accelerate would have built and
 switches the state to FSDP. From there the unchanged Trainer and accelerate FSDP code runs over gloo.
-On GPUs accelerate already chose FSDP and this function does nothing.
+A launcher's parallelism config (HSDP: ``dp_replicate_size`` x ``dp_shard_size``) is applied the same way:
+accelerate refuses it on a ``MULTI_CPU`` state, so it is held back while the `Accelerator` is built and
+its device mesh is built on "cpu" once the state is FSDP. On GPUs accelerate already chose FSDP and built
+the mesh, and these functions do nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import TrainerCallback, TrainingArguments
 
@@ -42,6 +46,24 @@ def skip_sync_module_states(args: TrainingArguments) -> None:
         args.fsdp_plugin_args["sync_module_states"] = False
 
 
+USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"  # set by `accelerate launch` for a parallelism_config
+
+
+@contextlib.contextmanager
+def parallelism_config_held_back(args: TrainingArguments):
+    """In the CPU mode, hide the launcher's parallelism config from the `Accelerator` being built.
+
+    Accelerate validates it against the state it builds, ``MULTI_CPU`` on a CPU, and refuses it;
+    `enable_cpu_fsdp` applies it once the state is FSDP.
+    """
+    held = os.environ.pop(USE_PARALLELISM_CONFIG, None) if cpu_fsdp_requested(args) else None
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.environ[USE_PARALLELISM_CONFIG] = held
+
+
 def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     """Turn accelerate's silent CPU fallback to DDP into real FSDP; returns whether it did."""
     state = accelerator.state
@@ -56,7 +78,17 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
         if plugin.fsdp_version == 1:  # FSDP1 compares its compute device "cpu" with accelerate's "cpu:0"
             values["device"] = torch.device("cpu")
     state.fsdp_plugin = plugin
+    if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
+        apply_parallelism_config_on_cpu(accelerator)
     return True
+
+
+def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
+    """What `Accelerator` does with a launcher's parallelism config on GPUs, on a "cpu" device mesh."""
+    config = ParallelismConfig()  # sizes from the launcher's PARALLELISM_CONFIG_* variables
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh("cpu")
+    config._validate_accelerator(accelerator)
 
 
 def unit_name(name: str) -> str:
@@ -86,6 +118,18 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
         elif isinstance(module, FullyShardedDataParallel):
             units.setdefault(id(module), []).append(unit_name(name))
     return ["+".join(names) for names in units.values()]
+
+
+def device_mesh_layout(model: torch.nn.Module) -> dict | None:
+    """The FSDP2 device mesh: dimension names, sizes, and the global ranks laid out along them (HSDP: 2-D)."""
+    from torch.distributed.tensor import DTensor
+
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            mesh = parameter.device_mesh
+            names = list(mesh.mesh_dim_names or ())
+            return {"dim_names": names, "shape": list(mesh.shape), "ranks": mesh.mesh.tolist()}
+    return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -119,8 +163,9 @@ def parameter_layout(model: torch.nn.Module) -> list[dict]:
 class FsdpLayoutReport(TrainerCallback):
     """Writes ``fsdp_layout.json`` after the first optimizer step, as seen from rank 0.
 
-    It holds the FSDP units; each stored parameter's dtype, shape and shard; the dtype every parameter
-    has inside its module's forward (what FSDP gathered and computes with); and the gradient dtypes.
+    It holds the device mesh (FSDP2); the FSDP units; each stored parameter's dtype, shape and shard; the
+    dtype every parameter has inside its module's forward (what FSDP gathered and computes with); and the
+    gradient dtypes.
     """
 
     def __init__(self):
@@ -153,11 +198,12 @@ class FsdpLayoutReport(TrainerCallback):
         self.written = True
         for hook in self.hooks:
             hook.remove()
-        units, layout = fsdp_units(model), parameter_layout(model)
+        units, layout, mesh = fsdp_units(model), parameter_layout(model), device_mesh_layout(model)
         if not state.is_world_process_zero:
             return
         report = {
             "world_size": args.world_size,
+            "mesh": mesh,
             "units": units,
             "parameters": layout,
             "gathered_dtypes": self.gathered,

@@ -21,13 +21,18 @@ from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.export import export_merged
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
-from fsdp_peft.trainer import PeftFsdpTrainer
+from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 
 
 @exits_cleanly_on_user_error
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
+    checkpoint = resume_point(training)
+    if checkpoint is not None:
+        check_resumable(Path(checkpoint), training)
+        if training.process_index == 0:
+            print(f"[fsdp-peft] resuming from {checkpoint}", flush=True)
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe), recipe, training)
@@ -46,7 +51,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         recipe_config=dataclasses.asdict(recipe),
     )
 
-    train_output = trainer.train(resume_from_checkpoint=resume_point(training))
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
     output_dir = Path(training.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()

@@ -14,12 +14,14 @@ import transformers.trainer
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
     FsdpLayoutReport,
     cpu_fsdp_requested,
     enable_cpu_fsdp,
     is_sharded,
+    parallelism_config_held_back,
     skip_sync_module_states,
     unit_name,
 )
@@ -58,7 +60,8 @@ class PeftFsdpTrainer(Trainer):
     def create_accelerator_and_postprocess(self):
         if cpu_fsdp_requested(self.args):
             skip_sync_module_states(self.args)
-        super().create_accelerator_and_postprocess()
+        with parallelism_config_held_back(self.args):
+            super().create_accelerator_and_postprocess()
         if enable_cpu_fsdp(self.accelerator, self.args):
             self.is_fsdp_enabled = True
 
@@ -81,6 +84,9 @@ class PeftFsdpTrainer(Trainer):
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging_run = run_dir / f".{name}.partial"
         final = run_dir / name
+        if self.args.should_save and staging_run.exists():  # left by a crash during this same save
+            shutil.rmtree(staging_run)
+        self.accelerator.wait_for_everyone()
         original = self._get_output_dir
         self._get_output_dir = lambda trial=None: str(staging_run)
         try:
@@ -89,6 +95,7 @@ class PeftFsdpTrainer(Trainer):
             self._get_output_dir = original
         if self.args.should_save:
             write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging_run / name)
+            (staging_run / name / LAYOUT_FILE).write_text(json.dumps(run_layout(self.args), indent=1))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if final.exists():
@@ -104,6 +111,15 @@ class PeftFsdpTrainer(Trainer):
                 use_mtime=True,
             )
         self.accelerator.wait_for_everyone()
+
+    def train(self, *args, **kwargs):
+        """Remove checkpoints a crash left half-written (hidden ``.checkpoint-N.partial``), then train."""
+        if self.args.should_save:
+            for stale in Path(self.args.output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial"):
+                print(f"[fsdp-peft] removing {stale}: an incomplete checkpoint left by an interrupted save")
+                shutil.rmtree(stale)
+        self.accelerator.wait_for_everyone()
+        return super().train(*args, **kwargs)
 
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.
@@ -122,6 +138,60 @@ class PeftFsdpTrainer(Trainer):
         if dist.is_initialized():
             dist.barrier()
         return directory
+
+
+LAYOUT_FILE = "fsdp_peft_layout.json"
+
+
+def run_layout(args) -> dict:
+    """What a sharded checkpoint depends on: world size, global batch (data position), FSDP version."""
+    if args.fsdp_plugin_args is not None:
+        version = int(args.fsdp_plugin_args["fsdp_version"])
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+    else:
+        version = None
+    world, per_device, accumulation = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return {
+        "world_size": world,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "global_batch_size": world * per_device * accumulation,
+        "fsdp_version": version,
+    }
+
+
+def _describe(layout: dict) -> str:
+    fsdp = f"FSDP{layout['fsdp_version']}" if layout["fsdp_version"] else "no FSDP"
+    return (
+        f"{fsdp}, global batch {layout['global_batch_size']} = {layout['world_size']} ranks x "
+        f"{layout['per_device_train_batch_size']} per device x {layout['gradient_accumulation_steps']} accumulation"
+    )
+
+
+def check_resumable(checkpoint: Path, args) -> None:
+    """Refuse, before any weights load, a resume that cannot continue the run exactly.
+
+    Another world size is fine (FSDP2 sharded state is resharded on load) as long as the global batch
+    stays the same: Trainer finds its data position by counting batches. A different FSDP version
+    cannot read the sharded state at all.
+    """
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"resume_from_checkpoint: {checkpoint} is not a directory")
+    if not (checkpoint / LAYOUT_FILE).is_file():
+        return  # not written by fsdp-peft: Trainer's own checks apply
+    saved, current = json.loads((checkpoint / LAYOUT_FILE).read_text()), run_layout(args)
+    where = f"resume_from_checkpoint: {checkpoint} was written with {_describe(saved)}; this run has {_describe(current)}"
+    if saved["fsdp_version"] != current["fsdp_version"]:
+        wanted = f"FSDP{saved['fsdp_version']} (e.g. configs/accelerate/cpu_fsdp{saved['fsdp_version']}.yaml)"
+        raise ConfigError(f"{where}. Its sharded state is only readable under {wanted}: relaunch with that")
+    if saved["global_batch_size"] != current["global_batch_size"]:
+        per_rank, left = divmod(saved["global_batch_size"], current["world_size"] * current["gradient_accumulation_steps"])
+        fix = f"--per_device_train_batch_size {per_rank}" if per_rank and not left else "the same global batch"
+        raise ConfigError(
+            f"{where}. Resuming would change which examples every remaining step sees; keep the global batch: {fix}"
+        )
 
 
 def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Path) -> None:

@@ -1,0 +1,174 @@
+"""``fsdp-peft generate``: completions from a trained adapter or a merged model, sharded when launched so.
+
+Sources: a merged model directory (what ``fsdp-peft export`` writes, or any Hugging Face model
+directory), or anything ``fsdp-peft export`` reads (adapter directory, Trainer checkpoint with sharded
+FSDP state, training ``output_dir``). An adapter is loaded onto its base the way the recipe trained it
+(same dtype, 4-bit when it was QLoRA), from the recipe saved next to it.
+
+Under ``accelerate launch`` / ``torchrun`` with several processes, every rank loads the model, FSDP2
+shards it (`fsdp_peft.policies.shard_for_generation`) and generation runs on the sharded model with
+the prompts spread over the ranks; rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp_peft.config import RecipeArguments
+from fsdp_peft.data import render_prompt
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, find_adapter, resolve_base
+from fsdp_peft.generation import GenerationSettings, generate_completions
+from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
+
+MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate, its tokenizer, and whether its recipe rendered prompts as chat."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    chat: bool | None
+    description: str
+
+
+def is_merged_model_dir(source: Path) -> bool:
+    return (
+        (source / "config.json").is_file()
+        and not (source / "adapter_config.json").is_file()
+        and any(source.glob("*.safetensors"))
+    )
+
+
+def load_for_generation(source: Path, base: str | None, device: torch.device) -> LoadedModel:
+    """Load ``source`` (merged directory or adapter source) on ``device``; `ConfigError` for anything else."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(source)
+    if not source.exists():
+        raise ConfigError(f"SOURCE: {source} does not exist")
+    if is_merged_model_dir(source):
+        if base is not None:
+            raise ConfigError(f"--base: {source} is a merged model and needs no base; drop --base")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", device_map={"": device})
+        recipe = json.loads((source / RECIPE_FILE).read_text()) if (source / RECIPE_FILE).is_file() else {}
+        chat = recipe.get("use_chat_template")
+        return LoadedModel(model, _tokenizer(AutoTokenizer.from_pretrained(source)), chat, f"merged model {source}")
+    try:
+        adapter = find_adapter(source)
+    except ConfigError as error:
+        if "is none of" in str(error):
+            raise ConfigError(f"SOURCE: {source} is none of: {MERGED_SOURCE}, {ADAPTER_SOURCES}") from None
+        raise
+    base_dir = resolve_base(adapter, base)
+    known = {f.name for f in dataclasses.fields(RecipeArguments)}
+    recipe = RecipeArguments(**{k: v for k, v in adapter.recipe.items() if k in known})
+    recipe.model_name_or_path = str(base_dir)
+    model = attach_trained_adapter(load_base_model(recipe), adapter)
+    tokenizer = _tokenizer(AutoTokenizer.from_pretrained(base_dir))
+    chat = recipe.use_chat_template if adapter.recipe else None
+    return LoadedModel(model, tokenizer, chat, f"adapter {adapter.origin} on {base_dir}")
+
+
+def _tokenizer(tokenizer):
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def attach_trained_adapter(model, adapter):
+    """Wrap ``model`` in the adapter's LoRA layers and load its tensors; every tensor must find its place."""
+    from peft import get_peft_config, get_peft_model, set_peft_model_state_dict
+
+    config = get_peft_config({k: v for k, v in adapter.config.items() if k != "base_model_name_or_path"})
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    result = set_peft_model_state_dict(peft_model, adapter.tensors)
+    if result.unexpected_keys:
+        raise ConfigError(
+            f"{adapter.origin}: {len(result.unexpected_keys)} adapter tensors match no module of the base "
+            f"(e.g. {result.unexpected_keys[0]}); is --base the model it was trained on?"
+        )
+    if model.device.type == "cpu":
+        disable_cpu_weight_repacking(peft_model)
+    return peft_model.eval()
+
+
+def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
+    """``--prompt`` values, else the lines (or JSONL ``prompt`` fields) of ``--prompts-file``, else stdin."""
+    if prompts:
+        return prompts
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise ConfigError(f"--prompts-file: file not found: {prompts_file}")
+        lines, where = prompts_file.read_text().splitlines(), str(prompts_file)
+    elif sys.stdin.isatty():
+        raise ConfigError("no prompts: give --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin (one per line)")
+    else:
+        lines, where = sys.stdin.read().splitlines(), "stdin"
+    if where.endswith(".jsonl"):
+        texts = []
+        for number, line in enumerate(lines, 1):
+            row = json.loads(line) if line.strip() else {}
+            if line.strip() and not isinstance(row.get("prompt"), str):
+                raise ConfigError(f"{where}: row {number} has no string 'prompt' field")
+            texts.append(row.get("prompt", ""))
+        lines = texts
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{where}: no prompts (empty lines are skipped)")
+    return prompts
+
+
+def run_generate(args) -> None:
+    """The ``generate`` command: load, (shard), generate, print on rank 0."""
+    from transformers import TextStreamer, set_seed
+
+    from fsdp_peft.policies import shard_for_generation
+
+    if args.greedy and (args.temperature is not None or args.top_p is not None):
+        raise ConfigError("--greedy and --temperature/--top-p exclude each other: drop --greedy to sample")
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = local_device()
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    set_seed(args.seed)
+    loaded = load_for_generation(args.source, args.base, device)
+    if world > 1:
+        shard_for_generation(loaded.model, device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        where = f", sharded over {world} ranks" if world > 1 else ""
+        print(f"[fsdp-peft] generating from {loaded.description}{where}", file=sys.stderr, flush=True)
+    chat = args.chat if args.chat is not None else bool(loaded.chat)
+    texts = [render_prompt(loaded.tokenizer, prompt, chat) for prompt in prompts]
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=args.temperature is not None or args.top_p is not None,
+        temperature=args.temperature if args.temperature is not None else 1.0,
+        top_p=args.top_p if args.top_p is not None else 1.0,
+        gather_budget=args.gather_budget,
+    )
+    stream = len(prompts) == 1 and not args.json
+    streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    completions = generate_completions(loaded.model, loaded.tokenizer, texts, settings, device, streamer=streamer)
+    if completions is not None:
+        for prompt, completion in zip(prompts, completions):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "completion": completion}), flush=True)
+            elif not stream:
+                print(f">>> {prompt}\n{completion}\n", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
