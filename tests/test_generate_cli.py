@@ -1,6 +1,7 @@
 """``fsdp-peft generate`` from every kind of source, against plain transformers + peft on the adapter.
 
-One short LoRA run (100 steps, enough to reverse words) leaves all source kinds: ``adapter/``, the
+One short LoRA run (100 steps, enough to reverse words; evaluated at steps 50 and 100, each showing
+held-out completions) leaves all source kinds: ``adapter/``, the
 sharded ``checkpoint-100/``, the fp32 merged export ``merged/``, and the ``output_dir`` itself.
 """
 
@@ -27,9 +28,19 @@ def trained(tmp_path_factory, tiny_model_dir):
     launch_recipe(
         "llama_lora", "--output_dir", str(output_dir), "--max_steps", "100", "--warmup_steps", "0",
         "--lr_scheduler_type", "constant", "--save_strategy", "steps", "--save_steps", "100",
-        "--generate_samples", "0", "--generate_eval_samples", "0", "--export_merged", "true", "--export_dtype", "fp32",
+        "--generate_samples", "0", "--generate_eval_samples", "2", "--eval_strategy", "steps", "--eval_steps", "50",
+        "--export_merged", "true", "--export_dtype", "fp32",
     )  # fmt: skip
     return output_dir
+
+
+def test_each_evaluation_shows_held_out_completions(trained):
+    rows = [json.loads(line) for line in (trained / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [50, 100]
+    assert all(row["prompt"].startswith("reverse: ") and row["expected"] for row in rows)
+    assert len([row for row in rows if row["step"] == 50]) == 2
+    last = [row for row in rows if row["step"] == 100]
+    assert sum(row["generated"] == row["expected"] for row in last) >= 1
 
 
 @pytest.fixture(scope="module")

@@ -100,10 +100,21 @@ KILL_STEPS = ["--max_steps", "16", *COMMON, "--save_steps", "4"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_16_steps(tmp_path_factory, tiny_model_dir):
+def uninterrupted_run(tmp_path_factory, tiny_model_dir):
     output_dir = tmp_path_factory.mktemp("uninterrupted")
-    launch_recipe("llama_lora", "--output_dir", str(output_dir), *KILL_STEPS)
-    return load_file(output_dir / "adapter" / "adapter_model.safetensors")
+    launch_recipe("llama_lora", "--output_dir", str(output_dir), *KILL_STEPS, "--save_total_limit", "2")
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_16_steps(uninterrupted_run):
+    return load_file(uninterrupted_run / "adapter" / "adapter_model.safetensors")
+
+
+def test_save_total_limit_keeps_the_latest_complete_checkpoints(uninterrupted_run):
+    assert sorted(p.name for p in uninterrupted_run.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-12", "checkpoint-16"
+    ]  # fmt: skip
 
 
 def _start_run(output_dir):

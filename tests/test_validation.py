@@ -29,6 +29,10 @@ CASES = {
         LORA_TINY, {}, ["--model_name_or_path", "/no/model"], "model_name_or_path: directory not found: /no/model"
     ),
     "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
+    "_gather_budget_is_a_size": (
+        LORA_TINY, {}, ["--generate_gather_budget", "8 gigs"],
+        "generate_gather_budget: '8 gigs' is not 'auto' (half the free device memory), 'all', 'none'",
+    ),
     "_fsdp_needs_several_processes": (
         LORA_TINY, {"WORLD_SIZE": "1"}, ["--fsdp", "full_shard auto_wrap"], "fsdp: set in the config, but this is a single process"
     ),
@@ -55,6 +59,16 @@ CASES = {
     "_cpu_mode_cannot_load_on_rank_0_only": (
         LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, [],
         "cpu_ram_efficient_loading needs FSDP1's sync_module_states",
+    ),
+    "_checkpoints_are_finished_by_one_rank": (
+        LORA_TINY, ACCELERATE_FSDP2, ["--save_on_each_node", "true", "--save_strategy", "steps"],
+        "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint directory",
+    ),
+    "_parallelism_config_fills_the_launch": (
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+         "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8", "WORLD_SIZE": "2"}, [],
+        "parallelism_config: dp_replicate_size 2 x dp_shard_size 8 = 16 ranks, but this launch has 2 (num_processes)",
     ),
 }
 
