@@ -3,19 +3,82 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
 from pathlib import Path
 
-from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
-from fsdp_peft.export import OUTPUT_DTYPES
+from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES
+
+CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
+
+
+def _list(args: argparse.Namespace) -> None:
+    from fsdp_peft.catalog import shipped
+
+    entries = shipped()
+    width = max(len(entry.name) for entry in entries)
+    for entry in entries:
+        print(f"{entry.kind:<6}  {entry.name:<{width}}  {entry.about}")
+
+
+def _copy(args: argparse.Namespace) -> None:
+    from fsdp_peft.catalog import copy_shipped
+
+    target = copy_shipped(args.name, args.dest)
+    print(f"copied {args.name} to {target}")
+
+
+def launcher_environment(accelerate_config: Path) -> dict[str, str]:
+    """The variables ``accelerate launch --config_file accelerate_config`` gives each rank, plus
+    ``WORLD_SIZE``: what the FSDP rules read, derived by accelerate's own launch code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    if not accelerate_config.is_file():
+        raise ConfigError(f"--accelerate-config: file not found: {accelerate_config}")
+    launch_args = launch_command_parser().parse_args(["--config_file", str(accelerate_config), "recipe.py"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            launch_args, _, _ = _validate_launch_command(launch_args)
+            launch_args.main_process_port = 0  # a free port: nothing is launched, nothing may collide
+            environment = prepare_multi_gpu_env(launch_args)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"{accelerate_config}: not a valid accelerate config: {error}") from None
+    changed = {key: value for key, value in environment.items() if os.environ.get(key) != value}
+    return {**changed, "WORLD_SIZE": str(launch_args.num_processes)}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from fsdp_peft.config import parse_recipe_config
+    """The rules see the launch (world size included); ``TrainingArguments`` is then built in this one
+    process, as it would refuse to start a process group of several ranks here."""
+    from fsdp_peft.config import build_training_arguments, resolve_recipe_config
+    from fsdp_peft.validation import check_before_training
 
-    parse_recipe_config(["--config", str(args.config)], args.config, "outputs/validate")
-    print(f"{args.config}: ok")
+    launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
+    recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
+    with _environment(launcher):
+        check_before_training(recipe, training_values, with_model_structure=True)
+    with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):
+        build_training_arguments(training_values, options.config)
+    print(f"{args.config}: ok" + (f" under {args.accelerate_config}" if args.accelerate_config else ""))
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -34,19 +97,70 @@ def _generate(args: argparse.Namespace) -> None:
     run_generate(args)
 
 
+def _plan(args: argparse.Namespace) -> None:
+    """Estimate per-GPU and host memory of a recipe config from the model config alone (no weights)."""
+    import json
+
+    from fsdp_peft.export import parse_size
+    from fsdp_peft.plan import format_plan, plan_memory
+
+    launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
+    with _environment(launcher):
+        plan = plan_memory(args.config, args.gpus, parse_size(args.gpu_memory, "--gpu-memory"))
+    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    if not plan.fits:
+        sys.exit(1)  # scripts can branch on the verdict; user errors exit 2
+
+
 def _tiny(args: argparse.Namespace) -> None:
     from fsdp_peft.tiny import tiny_model_path
 
-    print(tiny_model_path())
+    print(tiny_model_path(args.name))
 
 
 @exits_cleanly_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fsdp-peft", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    validate = commands.add_parser("validate", help="check a recipe YAML without loading any weights")
+    listing = commands.add_parser("ls", help="list the shipped recipes and configs, one line each")
+    listing.set_defaults(run=_list)
+    copy = commands.add_parser("cp", help="copy a shipped recipe or config to edit (never overwrites)")
+    copy.add_argument("name", help="a name as `fsdp-peft ls` prints it, e.g. llama_qlora/llama3_1_8b.yaml")
+    copy.add_argument("dest", type=Path, help="new file, or an existing directory to copy into")
+    copy.set_defaults(run=_copy)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in CATALOG_COMMANDS:
+        _add_model_commands(commands)
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+def _add_model_commands(commands) -> None:
+    """The commands that read configs and models (their parsers need torch and transformers)."""
+    from fsdp_peft.config import GATHER_BUDGET_HELP
+    from fsdp_peft.export import OUTPUT_DTYPES
+
+    validate = commands.add_parser(
+        "validate", help="check a recipe YAML without loading any weights; every problem at once"
+    )
     validate.add_argument("config", type=Path)
+    validate.add_argument(
+        "--accelerate-config", type=Path, metavar="FILE",
+        help="also check the FSDP settings of this accelerate config, as `accelerate launch` would pass them",
+    )  # fmt: skip
     validate.set_defaults(run=_validate)
+    plan = commands.add_parser(
+        "plan", help="estimate per-GPU and host memory of a recipe config and whether it fits (exit 1 if not); no weights loaded"
+    )
+    plan.add_argument("config", type=Path)
+    plan.add_argument("--gpus", type=int, metavar="N", help="GPUs (ranks); default: the accelerate config's, else 1")
+    plan.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU, e.g. 24GiB or 80GB")
+    plan.add_argument(
+        "--accelerate-config", type=Path, metavar="FILE",
+        help="read FSDP settings (offload, activation checkpointing, loading) and world size from this accelerate config",
+    )  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="merge an adapter into its base and write full weights")
     export.add_argument("source", type=Path, help="adapter directory, Trainer checkpoint, or training output_dir")
     export.add_argument("--out", type=Path, required=True, help="directory to create")
@@ -82,10 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     generate.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, completion")
     generate.set_defaults(run=_generate)
-    tiny = commands.add_parser("tiny-model", help="build the embedded tiny model (once) and print its path")
+    tiny = commands.add_parser("tiny-model", help="build an embedded tiny model (once) and print its path")
+    tiny.add_argument("name", nargs="?", default=TINY_MODEL_NAME, choices=TINY_MODEL_NAMES)
     tiny.set_defaults(run=_tiny)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.run(args)
 
 
 __all__ = ["main", "ConfigError"]

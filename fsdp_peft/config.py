@@ -1,8 +1,9 @@
 """Recipe configuration: one flat YAML of `TrainingArguments` fields plus the project's own fields.
 
-Precedence: built-in defaults < the YAML given with ``--config`` (or the recipe's default YAML) <
-``--key value`` on the command line. Every key is checked before anything heavy happens, so a typo
-is a one-line error naming the key and the closest valid one, not a traceback after model loading.
+Precedence: built-in defaults < the YAML named by ``include:`` in the config (recursively) < the YAML
+given with ``--config`` (or the recipe's default YAML) < ``--key value`` on the command line. Every key
+is checked before anything heavy happens, so a typo is a one-line error naming the key and the closest
+valid one, not a traceback after model loading. ``--print-config`` prints the resolved config and exits.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import re
+import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -19,6 +23,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,15 +49,29 @@ class RecipeArguments:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
     lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA input"})
     lora_target_modules: list[str] = field(
-        default_factory=lambda: ["all-linear"], metadata={"help": "module names to adapt, or 'all-linear'"}
+        default_factory=lambda: [AUTO_TARGETS],
+        metadata={"help": "module names to adapt, 'all-linear', or 'auto' (the model family's default)"},
     )
     dataset: str = field(
         default=TINY_DATASET_NAME,
-        metadata={"help": f"'{TINY_DATASET_NAME}' (embedded) or a directory holding train.jsonl and eval.jsonl"},
+        metadata={"help": f"'{TINY_DATASET_NAME}' (embedded), a local data file or directory, or a hub dataset id"},
     )
-    train_file: str | None = field(default=None, metadata={"help": "JSONL of prompt/completion rows; wins over dataset"})
-    eval_file: str | None = field(default=None, metadata={"help": "held-out JSONL; wins over dataset"})
-    max_seq_length: int = field(default=1024, metadata={"help": "longer examples are truncated from the right"})
+    dataset_config: str | None = field(default=None, metadata={"help": "hub dataset: configuration name"})
+    dataset_train_split: str = field(default="train", metadata={"help": "hub dataset: split to train on"})
+    dataset_eval_split: str | None = field(default=None, metadata={"help": "hub dataset: split to evaluate on"})
+    train_file: str | None = field(
+        default=None, metadata={"help": ".jsonl/.json/.parquet/.csv file or directory of them; wins over dataset"}
+    )
+    eval_file: str | None = field(default=None, metadata={"help": "held-out file or directory; wins over dataset"})
+    data_format: str = field(
+        default="auto", metadata={"help": "auto (from the columns), prompt_completion, instruction, messages, sharegpt"}
+    )
+    eval_split: float = field(default=0.0, metadata={"help": "fraction of train rows held out when no eval data is given"})
+    max_seq_length: int = field(default=1024, metadata={"help": "tokens per example (per packed row with packing)"})
+    truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
+    completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
+    packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
+    skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(default=True, metadata={"help": "render prompts with the tokenizer's chat template"})
     fsdp_reduce_dtype: str = field(
         default="float32", metadata={"help": f"dtype FSDP reduces gradients in: {DTYPES}"}
@@ -92,10 +111,14 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key '{key}'{hint}")
 
 
-def read_yaml_config(path: Path) -> dict:
-    """Load a recipe YAML and check that every key is known."""
+INCLUDE_KEY = "include"
+
+
+def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
+    """Load a recipe YAML, its ``include:`` base first, and check that every key is known (all at once)."""
     if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
+        where = f"{included_from[-1]}: include" if included_from else "--config"
+        raise ConfigError(f"{where}: file not found: {path}")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
@@ -103,10 +126,25 @@ def read_yaml_config(path: Path) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
     valid = set(known_keys())
-    for key in values:
-        if key not in valid:
-            raise _unknown_key_error(str(key), str(path))
-    return values
+    unknown = [_unknown_key_error(str(key), str(path)) for key in values if key not in valid and key != INCLUDE_KEY]
+    if unknown:
+        raise ConfigError("\n       ".join(map(str, unknown)))
+    if INCLUDE_KEY not in values:
+        return values
+    base = _include_path(values.pop(INCLUDE_KEY), path)
+    if base.resolve() in {p.resolve() for p in (*included_from, path)}:
+        raise ConfigError(f"{path}: include: {base} includes itself (through {' -> '.join(map(str, included_from))})")
+    return {**read_yaml_config(base, (*included_from, path)), **values}
+
+
+def _include_path(value, including: Path) -> Path:
+    """``include:`` is a path relative to the including file, else a shipped config name (``fsdp-peft ls``)."""
+    from fsdp_peft.catalog import shipped_config
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{including}: include: expected the path of one YAML file, got {value!r}")
+    relative = including.parent / Path(value).expanduser()
+    return relative if relative.is_file() else (shipped_config(value) or relative)
 
 
 def _check_cli_keys(argv: list[str]) -> None:
@@ -123,10 +161,28 @@ def parse_recipe_config(
     argv: list[str], default_config: Path, default_output_dir: str
 ) -> tuple[RecipeArguments, TrainingArguments]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
+    from fsdp_peft.validation import check_before_training
+
+    recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
+    check_before_training(recipe_args, training_values)
+    training_args = build_training_arguments(training_values, options.config)
+    if options.print_config:
+        if os.environ.get("RANK", "0") == "0":
+            print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
+        sys.exit(0)
+    return recipe_args, training_args
+
+
+def resolve_recipe_config(
+    argv: list[str], default_config: Path, default_output_dir: str
+) -> tuple[RecipeArguments, dict, argparse.Namespace]:
+    """The recipe arguments, the ``TrainingArguments`` values (not yet checked or built) and the options
+    (``--config``, ``--print-config``)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=default_config)
-    known, rest = pre.parse_known_args(argv)
-    values = read_yaml_config(known.config)
+    pre.add_argument("--print-config", "--print_config", action="store_true")
+    options, rest = pre.parse_known_args(argv)
+    values = read_yaml_config(options.config)
     _check_cli_keys(rest)
 
     parser = _Parser((RecipeArguments, TrainingArguments), allow_abbrev=False)
@@ -142,11 +198,34 @@ def parse_recipe_config(
         training_values["output_dir"] = default_output_dir
     if not torch.accelerator.is_available():
         training_values["use_cpu"] = True  # no accelerator: the CPU mode (bf16 autocast included)
-    from fsdp_peft.validation import check_before_training
+    return recipe_args, training_values, options
 
-    check_before_training(recipe_args, training_values)
+
+def build_training_arguments(training_values: dict, source: Path) -> TrainingArguments:
+    """``TrainingArguments`` from resolved values; its own refusals become `ConfigError`s naming ``source``."""
     try:
-        training_args = TrainingArguments(**training_values)
+        return TrainingArguments(**training_values)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{known.config}: {error}") from None
-    return recipe_args, training_args
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _plain(value):
+    """A value as YAML can write it: enums by their value."""
+    return value.value if isinstance(value, Enum) else value
+
+
+def resolved_config_yaml(recipe: RecipeArguments, training_values: dict, source: Path) -> str:
+    """The resolved config as a YAML that ``--config`` accepts: every project key, then every
+    ``TrainingArguments`` key whose value differs from the one an empty config gets."""
+    defaults = vars(_Parser((RecipeArguments, TrainingArguments), allow_abbrev=False).parse_args([]))
+    training = {
+        key: _plain(value)
+        for key, value in training_values.items()
+        if _plain(value) != _plain(defaults.get(key, dataclasses.MISSING))
+    }
+    header = (
+        f"# resolved from {source} (includes, then command-line overrides, applied)\n"
+        "# TrainingArguments keys not listed keep their defaults\n"
+    )
+    body = yaml.safe_dump({**dataclasses.asdict(recipe), **training}, sort_keys=False, default_flow_style=None)
+    return header + body

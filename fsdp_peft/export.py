@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
-from fsdp_peft.tiny import TINY_MODEL_NAME, tiny_model_path
+from fsdp_peft.tiny import resolve_model_path
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
@@ -134,8 +134,7 @@ def resolve_base(adapter: Adapter, base: str | None) -> Path:
     name = base or adapter.config.get("base_model_name_or_path")
     if not name:
         raise ConfigError(f"{adapter.origin}: adapter names no base model; pass --base")
-    if name == TINY_MODEL_NAME or (not Path(name).exists() and Path(name).name.startswith(f"{TINY_MODEL_NAME}-seed")):
-        return tiny_model_path()
+    name = resolve_model_path(name)  # tiny-<family>, or a moved cache directory of one, becomes its cache
     if Path(name).is_dir():
         return Path(name)
     if Path(name).exists() or name.startswith(("/", "./", "../")):

@@ -70,6 +70,7 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     if state.distributed_type != DistributedType.MULTI_CPU or not fsdp_requested(args):
         return False
     plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))
+    unpinned_cpu_offload(plugin)
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     # Both states, as accelerate itself does: every later `AcceleratorState()` re-copies `PartialState`.
@@ -81,6 +82,18 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
         apply_parallelism_config_on_cpu(accelerator)
     return True
+
+
+def unpinned_cpu_offload(plugin: FullyShardedDataParallelPlugin) -> None:
+    """FSDP2 offloading in the CPU mode: the same policy without pinned memory, which needs an accelerator.
+
+    Shards, gradients and optimizer state then stay on the CPU, as offloading keeps them on GPUs, and
+    FSDP runs its offloading code path (copies to the CPU are no-ops here).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if plugin.fsdp_version == 2 and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
 def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from fsdp_peft.data import Example, render_prompt
+from fsdp_peft.data import Example, render_example_prompt
 from fsdp_peft.fsdp import is_sharded
 
 
@@ -221,7 +221,7 @@ def evaluate_exact_match(
 
 
 def _complete(model, tokenizer, examples: list[Example], recipe, device: torch.device) -> list[str] | None:
-    prompts = [render_prompt(tokenizer, e.prompt, recipe.use_chat_template) for e in examples]
+    prompts = [render_example_prompt(tokenizer, e, recipe.use_chat_template) for e in examples]
     return generate_completions(model, tokenizer, prompts, GenerationSettings.from_recipe(recipe), device)
 
 

@@ -8,13 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, TrainingArguments
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.tiny import TINY_MODEL_NAME, tiny_model_path
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
+from fsdp_peft.tiny import resolve_model_path
 from fsdp_peft.validation import mixed_precision_dtype
-
-
-def resolve_model_path(name: str) -> str:
-    """The embedded model's cache directory for ``tiny-llama``; any other name is passed through."""
-    return str(tiny_model_path()) if name == TINY_MODEL_NAME else name
 
 
 def local_device() -> torch.device:
@@ -25,10 +22,19 @@ def local_device() -> torch.device:
 
 
 def load_tokenizer(recipe: RecipeArguments):
-    """The model's tokenizer, with a pad token (the EOS token when the model defines none)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.model_name_or_path))
+    """The model's tokenizer, with a pad token (the family's choice, else EOS, when the model defines none)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(recipe.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    family = family_for(AutoConfig.from_pretrained(path).model_type)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.pad_token = pad_token_for(tokenizer, family)
+    if recipe.use_chat_template and not tokenizer.chat_template:
+        raise ConfigError(
+            f"use_chat_template: the tokenizer of {recipe.model_name_or_path} has no chat template; "
+            f"{family.chat_template_hint}, or set use_chat_template: false"
+        )
     return tokenizer
 
 
@@ -46,14 +52,24 @@ def quantization_config(recipe: RecipeArguments) -> BitsAndBytesConfig | None:
 
 
 def load_base_model(recipe: RecipeArguments) -> PreTrainedModel:
-    """Load the base model on this rank's device through the ordinary ``from_pretrained`` path."""
+    """Load the base model on this rank's device through the ordinary ``from_pretrained`` path.
+
+    Under FSDP2 with ``cpu_ram_efficient_loading`` it is a weightless skeleton instead: the weights
+    arrive, shard by shard from rank 0, once FSDP has sharded it (`fsdp_peft.loading`).
+    """
+    from fsdp_peft.loading import low_memory_loading_requested, model_skeleton
+
     device = local_device()
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(recipe.model_name_or_path),
-        dtype=getattr(torch, recipe.torch_dtype),
-        quantization_config=quantization_config(recipe),
-        device_map={"": device},
-    )
+    if low_memory_loading_requested():
+        path = resolve_model_path(recipe.model_name_or_path)
+        model = model_skeleton(path, getattr(torch, recipe.torch_dtype), quantization_config(recipe))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(recipe.model_name_or_path),
+            dtype=getattr(torch, recipe.torch_dtype),
+            quantization_config=quantization_config(recipe),
+            device_map={"": device},
+        )
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
     return model
@@ -75,23 +91,25 @@ def disable_cpu_weight_repacking(model: torch.nn.Module) -> int:
 
 
 def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: TrainingArguments):
-    """Wrap ``model`` in LoRA adapters (all linear layers by default) and return the `PeftModel`.
+    """Wrap ``model`` in LoRA adapters (``[auto]``: the family's default modules) and return the `PeftModel`.
 
     Adapter weights stay in fp32 (master weights) when a bf16/fp16 mixed-precision policy casts them for
     compute; without one they take the base dtype, so an FSDP unit never mixes parameter dtypes.
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = recipe.lora_target_modules
     config = LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
-        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
     )
+    from fsdp_peft.loading import adapters_created_off_meta
+
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
-    peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
+    with adapters_created_off_meta():  # a low-memory skeleton's adapters are real all the same
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
     if not keep_fp32:
         for parameter in peft_model.parameters():
             if parameter.requires_grad:

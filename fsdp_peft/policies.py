@@ -4,8 +4,8 @@
 accelerate ignores peft's wrap policy under FSDP2. `configure_fsdp_for_peft` is the one place that
 decides, before the model is prepared:
 
-- **units**: every decoder layer (classes from ``_no_split_modules``, or the config's
-  ``transformer_layer_cls_to_wrap``) is a unit, whatever wrap policy was configured, except that
+- **units**: every decoder layer (the config's ``transformer_layer_cls_to_wrap``, else the family's
+  decoder layer class, else ``_no_split_modules``) is a unit, whatever wrap policy was configured, except that
   ``SIZE_BASED_WRAP`` is honoured under FSDP2 (under FSDP1 it is refused in `fsdp_peft.validation`). FSDP1 also gives every trainable adapter leaf a unit
   of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
   untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
@@ -25,12 +25,16 @@ import functools
 import torch
 from accelerate import Accelerator
 
+from fsdp_peft.families import family_of_model
+
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None = None) -> set[type]:
-    """The decoder layer classes that become units: the ``configured`` names, else ``_no_split_modules``."""
-    names = configured or list(getattr(model, "_no_split_modules", None) or [])
+    """The decoder layer classes that become units: the ``configured`` names, else the family's decoder
+    layer (`fsdp_peft.families`), else the model's ``_no_split_modules`` (the generic path)."""
+    family_layer = family_of_model(model).decoder_layer
+    names = configured or ([family_layer] if family_layer else list(getattr(model, "_no_split_modules", None) or []))
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     missing = set(names) - {c.__name__ for c in classes}
     if missing:

@@ -1,8 +1,9 @@
 """The fine-tuning procedure every recipe runs, top to bottom.
 
 parse config → tokenizer and model → adapters → data → trainer → accuracy before → train → save
-adapter → evaluate → generate from the sharded model → report. Recipes differ only in their default
-config (``configs/<recipe>/tiny.yaml``), so they share this one function.
+adapter → evaluate → generate from the sharded model → report (summary, ``results.json``, loss curve).
+Recipes differ only in their default config (``configs/<recipe>/tiny.yaml``), so they share this one
+function; model families differ only in their entry in `fsdp_peft.families`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorForSeq2Seq, set_seed
+from transformers import set_seed
 
 from fsdp_peft.config import parse_recipe_config
-from fsdp_peft.data import IGNORE_INDEX, load_data
+from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.export import export_merged
@@ -27,7 +29,10 @@ from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 @exits_cleanly_on_user_error
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
+    started = time.monotonic()
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
+    if training.include_num_input_tokens_seen == "no":
+        training.include_num_input_tokens_seen = "non_padding"  # the summary reports the tokens trained on
     checkpoint = resume_point(training)
     if checkpoint is not None:
         check_resumable(Path(checkpoint), training)
@@ -36,7 +41,9 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe), recipe, training)
-    train_data, eval_data, held_out = load_data(recipe, tokenizer)
+    if recipe.packing:
+        check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
+    train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
     samples = held_out[: recipe.generate_samples]
     before = ExactMatchBeforeTraining(tokenizer, samples, recipe)
     trainer = PeftFsdpTrainer(
@@ -44,7 +51,7 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         args=training,
         train_dataset=train_data,
         eval_dataset=eval_data,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True),
+        data_collator=data_collator(recipe, tokenizer),
         processing_class=tokenizer,
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
         callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
@@ -80,6 +87,12 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         "adapter_dir": str(adapter_dir),
         "fsdp": trainer.is_fsdp_enabled,
         "merged_dir": str(merged_dir) if recipe.export_merged else None,
+        "steps": trainer.state.global_step,
+        "tokens": trainer.state.num_input_tokens_seen,
+        "train_seconds": train_output.metrics["train_runtime"],
+        "total_seconds": time.monotonic() - started,
+        "last_train_loss": last_logged(trainer.state.log_history, "loss"),
+        "loss_curve": plot_loss_curve(trainer.state.log_history, output_dir / LOSS_CURVE_FILE),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=1))
     print(summary(results, output_dir))
@@ -102,9 +115,57 @@ def resume_point(training) -> str | None:
     return get_last_checkpoint(training.output_dir)
 
 
+LOSS_CURVE_FILE = "loss_curve.png"
+
+
+def last_logged(log_history: list[dict], key: str) -> float | None:
+    """The last value of ``key`` the Trainer logged."""
+    return next((entry[key] for entry in reversed(log_history) if key in entry), None)
+
+
+def matplotlib_available() -> bool:
+    """Plotting is optional: matplotlib is not a dependency."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot_loss_curve(log_history: list[dict], path: Path) -> str | None:
+    """Draw train and eval loss against the step into ``path``; ``None`` without matplotlib or losses."""
+    train = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+    evaluation = [(entry["step"], entry["eval_loss"]) for entry in log_history if "eval_loss" in entry]
+    if not (train or evaluation) or not matplotlib_available():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for points, label, style in ((train, "train", "-"), (evaluation, "eval", "o--")):
+        if points:
+            axes.plot(*zip(*points), style, label=label)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return str(path)
+
+
 def summary(results: dict, output_dir: Path) -> str:
     """The lines a user reads at the end of a run."""
-    lines = [f"[fsdp-peft] {results['recipe']}: train loss {results['train_loss']:.4f}"]
+    tokens = "n/a" if not results["tokens"] else f"{results['tokens']:,}"
+    last = "" if results["last_train_loss"] is None else f", last logged {results['last_train_loss']:.4f}"
+    lines = [
+        f"[fsdp-peft] {results['recipe']}: {results['steps']} steps, {tokens} tokens, "
+        f"{results['train_seconds']:.1f} s training ({results['total_seconds']:.1f} s in all)",
+        f"[fsdp-peft] train loss {results['train_loss']:.4f} (mean over the run){last}",
+    ]
     if results["eval_loss"] is not None:
         lines.append(f"[fsdp-peft] eval loss {results['eval_loss']:.4f}")
     if results["exact_match_after"] is not None:
@@ -118,4 +179,11 @@ def summary(results: dict, output_dir: Path) -> str:
     lines.append(f"[fsdp-peft] adapter: {results['adapter_dir']}")
     if results["merged_dir"]:
         lines.append(f"[fsdp-peft] merged full weights: {results['merged_dir']}")
+    if results["loss_curve"]:
+        lines.append(f"[fsdp-peft] loss curve: {results['loss_curve']}")
+    elif not matplotlib_available():
+        lines.append("[fsdp-peft] loss curve: not drawn (needs matplotlib: pip install matplotlib)")
+    else:
+        lines.append("[fsdp-peft] loss curve: not drawn (no loss was logged: lower logging_steps)")
+    lines.append(f"[fsdp-peft] results: {output_dir / 'results.json'}")
     return "\n".join(lines)

@@ -1,9 +1,12 @@
-"""The embedded default: a tiny Llama, its byte-level tokenizer, and a string-reversal dataset.
+"""The embedded default: a tiny model of each family, a byte-level tokenizer, and a string-reversal dataset.
 
-Config, tokenizer and data ship inside the package (``fsdp_peft/assets``) so that a recipe runs on a
-machine with no network. The weights are not shipped: they are created from a fixed seed and written
-once to a local cache as an ordinary Hugging Face checkpoint, so that loading, 4-bit quantization and
-everything after it run exactly the code a hub model runs.
+The tiny Llama's config, the tokenizer and the data ship inside the package (``fsdp_peft/assets``) so
+that a recipe runs on a machine with no network. The other families' tiny models (``tiny-qwen2``,
+``tiny-qwen3``, ``tiny-mistral``; see `fsdp_peft.families`) are the same sizes in their own
+architecture, configured in `TINY_FAMILY_CONFIGS`, with the same tokenizer. No weights are shipped:
+they are created from a fixed seed and written once to a local cache as an ordinary Hugging Face
+checkpoint, so that loading, 4-bit quantization and everything after it run exactly the code a hub
+model runs.
 
 Regenerate the shipped assets (deterministic, byte-identical) with::
 
@@ -64,6 +67,24 @@ TINY_CONFIG = {
     "attention_bias": False,
     "mlp_bias": False,
 }
+
+
+# The other families' tiny models: the tiny Llama's sizes, plus what their architectures need.
+TINY_SIZES = {
+    key: TINY_CONFIG[key]
+    for key in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "max_position_embeddings", "rms_norm_eps", "rope_theta", "hidden_act", "initializer_range",
+        "tie_word_embeddings",
+    )
+}  # fmt: skip
+HEAD_DIM = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]
+TINY_FAMILY_CONFIGS = {
+    "tiny-qwen2": {**TINY_SIZES, "use_sliding_window": False},  # q/k/v projections carry a bias
+    "tiny-qwen3": {**TINY_SIZES, "head_dim": HEAD_DIM, "attention_bias": False},  # q/k norms per head
+    "tiny-mistral": {**TINY_SIZES, "head_dim": HEAD_DIM, "sliding_window": None},
+}
+TINY_MODEL_NAMES = (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)
 
 
 def build_tokenizer():
@@ -132,39 +153,83 @@ def write_assets(assets: Path = ASSETS) -> None:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
 
 
+def build_family_config(name: str, tokenizer):
+    """The config of tiny model ``name`` (not the Llama: its config ships in the assets)."""
+    from transformers import CONFIG_MAPPING
+
+    from fsdp_peft.families import tiny_family
+
+    family = tiny_family(name)
+    return CONFIG_MAPPING[family.model_types[0]](
+        **TINY_FAMILY_CONFIGS[name],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[family.tiny_architecture],
+    )
+
+
 def cache_dir() -> Path:
     """Where the generated tiny checkpoint lives: ``$FSDP_PEFT_CACHE`` or ``~/.cache/fsdp_peft``."""
     return Path(os.environ.get("FSDP_PEFT_CACHE", Path.home() / ".cache" / "fsdp_peft"))
 
 
-def tiny_model_path() -> Path:
-    """The tiny checkpoint directory, created on first use (safe when several ranks race to create it)."""
-    target = cache_dir() / f"{TINY_MODEL_NAME}-seed{WEIGHTS_SEED}"
+def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
+    """Tiny model ``name``'s checkpoint directory, created on first use (safe when several ranks race)."""
+    if name not in TINY_MODEL_NAMES:
+        raise ValueError(f"no embedded model called {name!r}; there are {', '.join(TINY_MODEL_NAMES)}")
+    target = cache_dir() / f"{name}-seed{WEIGHTS_SEED}"
     if (target / "model.safetensors").is_file():
         return target
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS)
+    config = (
+        AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
+        if name == TINY_MODEL_NAME
+        else build_family_config(name, tokenizer)
+    )
     with publish_directory(target) as staging:
-        _write_tiny_checkpoint(staging)
+        write_checkpoint(staging, config, tokenizer)
     return target
 
 
-def _write_tiny_checkpoint(directory: Path) -> None:
+def resolve_model_path(name: str) -> str:
+    """Where ``model_name_or_path`` points: a tiny model's cache directory, else ``name`` unchanged.
+
+    A tiny model is named by its name (``tiny-qwen2``) or by a cache directory of it that no longer
+    exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here.
+    """
+    if name in TINY_MODEL_NAMES:
+        return str(tiny_model_path(name))
+    path = Path(name)
+    for tiny in TINY_MODEL_NAMES:
+        if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
+            return str(tiny_model_path(tiny))
+    return name
+
+
+def write_checkpoint(directory: Path, config, tokenizer) -> None:
     """Weights from the seed, as ``model.safetensors`` next to config, generation config and tokenizer.
 
     Written with safetensors directly rather than ``save_pretrained``, which writes on global rank 0
     only: every rank (and every node) may need to build its own copy.
     """
     import torch
+    import transformers
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
-    config = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
     torch.manual_seed(WEIGHTS_SEED)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, config.architectures[0])(config)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # stored once, as the embedding
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
-    AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     if not (directory / "config.json").is_file():
         raise RuntimeError(f"building the tiny model in {directory} left no config.json")
 
@@ -172,12 +237,13 @@ def _write_tiny_checkpoint(directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-assets", action="store_true", help="rewrite fsdp_peft/assets from the seeds")
+    parser.add_argument("name", nargs="?", default=TINY_MODEL_NAME, choices=TINY_MODEL_NAMES)
     args = parser.parse_args()
     if args.write_assets:
         write_assets()
         print(f"wrote {ASSETS}")
     else:
-        print(tiny_model_path())
+        print(tiny_model_path(args.name))
 
 
 if __name__ == "__main__":

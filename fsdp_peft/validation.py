@@ -137,17 +137,42 @@ def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
 
 
 def _data_files_exist(recipe, training) -> str | None:
+    from fsdp_peft.data import DATA_EXTENSIONS, data_files_in, is_local_path
+
+    kinds = ", ".join(DATA_EXTENSIONS)
     for key in ("train_file", "eval_file"):
         value = getattr(recipe, key)
-        if value is not None and not Path(value).expanduser().is_file():
+        path = Path(value).expanduser() if value is not None else None
+        if path is not None and not path.exists():
             return f"{key}: file not found: {value}"
-    if recipe.train_file is None and recipe.dataset != TINY_DATASET_NAME:
-        directory = Path(recipe.dataset).expanduser()
-        if not (directory / "train.jsonl").is_file():
+        if path is not None and path.is_file() and path.suffix not in DATA_EXTENSIONS:
+            return f"{key}: '{value}' is not a data file ({kinds}); convert it or point {key} at one"
+        if path is not None and path.is_dir() and not data_files_in(path):
+            return f"{key}: directory '{value}' holds no {kinds} files; point {key} at one or at such a directory"
+    dataset = recipe.dataset
+    if recipe.train_file is None and dataset != TINY_DATASET_NAME and is_local_path(dataset):
+        path = Path(dataset).expanduser()
+        if not path.exists():
             return (
-                f"dataset: '{recipe.dataset}' is neither '{TINY_DATASET_NAME}' nor a directory holding "
-                f"train.jsonl; set dataset to such a directory or set train_file"
+                f"dataset: '{dataset}' is neither '{TINY_DATASET_NAME}' nor a directory or data file that exists; "
+                "fix the path, or name a hub dataset as owner/name"
             )
+        if path.is_dir() and not any(data_files_in(p) for p in (path, path / "train") if p.is_dir()):
+            return f"dataset: directory '{dataset}' holds no {kinds} files (nor a train/ directory of them)"
+        if path.is_file() and path.suffix not in DATA_EXTENSIONS:
+            return f"dataset: '{dataset}' is not a data file ({kinds}); convert it or point dataset at one"
+    return None
+
+
+def _data_settings_are_known(recipe, training) -> str | None:
+    from fsdp_peft.data import DATA_FORMATS, TRUNCATIONS
+
+    if recipe.data_format not in DATA_FORMATS:
+        return f"data_format: '{recipe.data_format}' is not one of {', '.join(DATA_FORMATS)}"
+    if recipe.truncation not in TRUNCATIONS:
+        return f"truncation: '{recipe.truncation}' is not one of {', '.join(TRUNCATIONS)}"
+    if not 0 <= recipe.eval_split < 1:
+        return f"eval_split: {recipe.eval_split} is not a fraction in [0, 1); e.g. 0.05 holds out 5% of the train rows"
     return None
 
 
@@ -223,14 +248,14 @@ def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
     return None
 
 
-def _fsdp1_checkpoints_would_lose_the_adapter(recipe, training) -> str | None:
+def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
     settings = fsdp_settings(training)
     strategy = str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
-    if settings and settings.version == 1 and strategy != "no":
+    if settings and settings.version == 1 and strategy != "no" and "SHARDED" not in settings.state_dict_type:
         return (
-            f"save_strategy: '{strategy}' under FSDP1: accelerate writes FSDP1 checkpoints of PEFT models without "
-            "the adapter weights (it filters them by module names that FSDP1 wrapping changed), so a resume would "
-            "silently start from fresh adapters; use FSDP2 (configs/accelerate/fsdp2.yaml) or save_strategy: 'no'"
+            f"save_strategy: '{strategy}' under FSDP1 with state_dict_type {settings.state_dict_type}: fsdp-peft "
+            "saves and resumes FSDP1 checkpoints of adapters only as sharded state; set "
+            "fsdp_state_dict_type: SHARDED_STATE_DICT (as configs/accelerate/fsdp1.yaml does), or save_strategy: 'no'"
         )
     return None
 
@@ -294,6 +319,7 @@ RULES: list[Callable] = [
     _quant_storage_is_floating_under_fsdp,
     _quant_storage_matches_gather_dtype,
     _data_files_exist,
+    _data_settings_are_known,
     _local_model_path_exists,
     _positive_sizes,
     _gather_budget_is_a_size,
@@ -301,7 +327,7 @@ RULES: list[Callable] = [
     _one_activation_checkpointing,
     _save_only_model_needs_full_state_dict,
     _fsdp1_units_keep_adapters_apart,
-    _fsdp1_checkpoints_would_lose_the_adapter,
+    _fsdp1_checkpoints_are_sharded,
     _offload_needs_a_cpu_optimizer,
     _cpu_mode_cannot_load_on_rank_0_only,
     _checkpoints_are_finished_by_one_rank,
@@ -314,8 +340,42 @@ def config_problems(recipe, training: dict) -> list[str]:
     return [problem for rule in RULES if (problem := rule(recipe, training))]
 
 
-def check_before_training(recipe, training: dict) -> None:
-    """Raise one `ConfigError` listing every problem (one per line)."""
-    problems = config_problems(recipe, training)
+def model_structure_problems(recipe) -> list[str]:
+    """Problems with the model's architecture (LoRA targets, decoder layers), found on a weightless copy
+    built on the meta device from its config; none when the config is not on this machine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_peft.families import family_for, lora_targets
+    from fsdp_peft.policies import decoder_layer_classes
+    from fsdp_peft.tiny import resolve_model_path
+
+    name = recipe.model_name_or_path
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(name), local_files_only=True)
+    except (OSError, ValueError):
+        return []  # not downloaded yet: loading it will tell
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    problems = []
+    targets = lora_targets(recipe.lora_target_modules, family_for(config.model_type))
+    if targets != "all-linear":
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n, _ in model.named_modules())]
+        if missing:
+            problems.append(
+                f"lora_target_modules: {missing} name no module of {name} ({config.model_type}); its linear "
+                f"layers are {linear}: use those names, all-linear, or auto (the family's default)"
+            )
+    try:
+        decoder_layer_classes(model)
+    except ValueError as error:
+        problems.append(f"{name}: {error}; name its decoder layer class in the accelerate config")
+    return problems
+
+
+def check_before_training(recipe, training: dict, with_model_structure: bool = False) -> None:
+    """Raise one `ConfigError` listing every problem (one per line); ``with_model_structure`` also
+    checks the model's architecture (`model_structure_problems`)."""
+    problems = config_problems(recipe, training) + (model_structure_problems(recipe) if with_model_structure else [])
     if problems:
         raise ConfigError("\n       ".join(problems))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from conftest import REPO, run_command
 
 
@@ -19,3 +21,70 @@ def test_validate_accepts_a_shipped_config_and_rejects_a_broken_one(tmp_path):
     assert result.stderr.startswith(
         "error: bnb_4bit_quant_storage: 'float32' differs from the dtype FSDP gathers in ('bfloat16'"
     )
+
+
+def _cli(*args: str):
+    exe = shutil.which("fsdp-peft")
+    assert exe, "the console script is installed with the package"
+    return run_command([exe, *args], timeout=120)
+
+
+def test_ls_lists_every_recipe_and_config_on_one_line_each():
+    result = _cli("ls")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    recipes = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+    configs = sorted(p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").rglob("*.yaml"))
+    assert [line.split()[:2] for line in lines if line.startswith("recipe")] == [["recipe", r] for r in recipes]
+    listed = [line.split()[1] for line in lines if line.startswith("config")]
+    assert [name for name in listed if name.endswith(".yaml")] == configs
+    by_name = {line.split()[1]: line for line in lines}
+    seventy = by_name["llama_qlora/llama3_3_70b.yaml"]
+    assert seventy.endswith("  QLoRA on Llama 3.3 70B Instruct, sharded with FSDP2 over the GPUs of one machine.")
+    assert "QLoRA on Qwen (2.5 and 3): nf4 base" in by_name["qwen_qlora"]
+
+
+def test_cp_copies_to_a_new_file_and_refuses_to_overwrite_or_guess(tmp_path):
+    copied = _cli("cp", "qwen_qlora/qwen2_5_7b.yaml", str(tmp_path / "mine.yaml"))
+    assert copied.returncode == 0, copied.stderr[-2000:]
+    source = (REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml").read_bytes()
+    assert (tmp_path / "mine.yaml").read_bytes() == source
+    (tmp_path / "mine.yaml").write_text("lora_r: 4\n")  # the user's edit
+    again = _cli("cp", "qwen_qlora/qwen2_5_7b.yaml", str(tmp_path / "mine.yaml"))
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr.startswith(f"error: DEST: {tmp_path / 'mine.yaml'} already exists; cp never overwrites")
+    assert (tmp_path / "mine.yaml").read_text() == "lora_r: 4\n"
+
+
+def test_validate_lists_every_problem_at_once_with_the_accelerate_configs_fsdp_rules(tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("include: llama_qlora/llama3_1_8b.yaml\nlora_r: 0\noptim: paged_adamw_8bit\n")
+    accelerate_config = REPO / "configs" / "accelerate" / "fsdp2_offload.yaml"
+    offload = _cli("validate", str(config), "--accelerate-config", str(accelerate_config))
+    assert offload.returncode == 2 and "Traceback" not in offload.stderr
+    errors = [line.strip() for line in offload.stderr.splitlines() if "warn" not in line.lower()]
+    assert errors[0] == "error: lora_r: must be positive, got 0"
+    assert errors[1].startswith("optim: 'paged_adamw_8bit' steps on the GPU, but FSDP offload_params keeps parameters")
+
+
+def test_cp_copies_a_recipe_into_a_directory_and_suggests_the_closest_name(tmp_path, capsys):
+    from fsdp_peft.cli import main
+
+    main(["cp", "recipes/qwen_qlora.py", str(tmp_path)])
+    assert (tmp_path / "qwen_qlora.py").read_bytes() == (REPO / "recipes" / "qwen_qlora.py").read_bytes()
+    assert capsys.readouterr().out.strip() == f"copied recipes/qwen_qlora.py to {tmp_path / 'qwen_qlora.py'}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cp", "mistral_qlora/mistral7b.yaml", str(tmp_path)])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
+        "error: NAME: no recipe or config called 'mistral_qlora/mistral7b.yaml'; "
+        "did you mean 'mistral_qlora/mistral_7b.yaml'?"
+    )
+
+
+def test_validate_names_a_missing_accelerate_config(tmp_path, capsys):
+    from fsdp_peft.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", str(REPO / "configs" / "qwen_qlora" / "tiny.yaml"), "--accelerate-config", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: --accelerate-config: file not found: {tmp_path / 'x'}"

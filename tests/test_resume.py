@@ -1,4 +1,4 @@
-"""Resuming from a sharded FSDP2 checkpoint continues the run exactly (fp32 LoRA, 2 gloo ranks).
+"""Resuming from a sharded checkpoint continues the run exactly (fp32 LoRA, 2 gloo ranks; FSDP2, and FSDP1).
 
 The interrupted run stops after step 6 (``max_steps 6``) with a checkpoint at step 5; a constant
 learning rate keeps its first leg identical to the uninterrupted run's first 6 steps.
@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, read_json
 
 COMMON = [
-    "--logging_steps", "1", "--generate_samples", "0", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+    "--logging_steps", "1", "--generate_samples", "0", "--generate_eval_samples", "0", "--warmup_steps", "0",
+    "--lr_scheduler_type", "constant",
     "--save_strategy", "steps", "--save_steps", "5", "--per_device_train_batch_size", "16",
 ]  # fmt: skip
 
@@ -65,6 +66,27 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert read_json(one_rank / "fsdp_layout.json")["world_size"] == 1
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+
+
+def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tiny_model_dir):
+    """FSDP1 checkpoints hold the adapter and its optimizer state (accelerate alone saves neither)."""
+    fsdp1 = {"accelerate_config": REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"}
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *COMMON, **fsdp1)
+    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *COMMON, **fsdp1)
+    shutil.rmtree(interrupted / "checkpoint-6")
+    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "10", *COMMON,
+                  "--resume_from_checkpoint", str(interrupted / "checkpoint-5"), **fsdp1)  # fmt: skip
+    want, got = _losses(full), _losses(interrupted)
+    for step in range(6, 11):
+        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
+    reference = load_file(full / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(interrupted / "adapter" / "adapter_model.safetensors")
+    for key, tensor in reference.items():
+        assert (adapter[key] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), key
+    from fsdp_peft.export import read_sharded_adapter
+
+    assert sorted(read_sharded_adapter(interrupted / "checkpoint-5")) == sorted(reference)  # FSDP2's keys
 
 
 def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):

@@ -29,6 +29,7 @@ CASES = {
         LORA_TINY, {}, ["--model_name_or_path", "/no/model"], "model_name_or_path: directory not found: /no/model"
     ),
     "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
+    "_data_settings_are_known": (LORA_TINY, {}, ["--truncation", "middle"], "truncation: 'middle' is not one of right, left, drop"),
     "_gather_budget_is_a_size": (
         LORA_TINY, {}, ["--generate_gather_budget", "8 gigs"],
         "generate_gather_budget: '8 gigs' is not 'auto' (half the free device memory), 'all', 'none'",
@@ -48,9 +49,9 @@ CASES = {
         LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
         "auto_wrap_policy: SIZE_BASED_WRAP under FSDP1 with use_orig_params: false would put frozen base weights",
     ),
-    "_fsdp1_checkpoints_would_lose_the_adapter": (
-        LORA_TINY, ACCELERATE_FSDP1, ["--save_strategy", "steps"],
-        "save_strategy: 'steps' under FSDP1: accelerate writes FSDP1 checkpoints of PEFT models without the adapter",
+    "_fsdp1_checkpoints_are_sharded": (
+        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}, ["--save_strategy", "steps"],
+        "save_strategy: 'steps' under FSDP1 with state_dict_type FULL_STATE_DICT: fsdp-peft saves and resumes",
     ),
     "_offload_needs_a_cpu_optimizer": (
         LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "true"}, ["--optim", "paged_adamw_8bit"],

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU check: one unattended run of at most 8 minutes on a single GPU (written for one H200).
+#
+#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B and 8B shapes
+#   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny model
+#
+# Measures, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama,
+# LoRA and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s,
+# peak GPU memory, model FLOPs utilisation, exact parameter + gradient + optimizer bytes, and the
+# planner's estimate next to the measured peak (benchmarks/gpu_check.py has the details).
+# Writes benchmarks/results/gpu_check_<UTC date and time>.json (date, hardware, versions inside) and
+# copies it to benchmarks/results/gpu_check.json. Needs no network when the packages of
+# pyproject.toml are installed; else pip installs them (network needed for that step only).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+TOTAL_SECONDS=470          # hard stop for everything below (8 minutes, with margin)
+PYTHON="${PYTHON:-python}"
+DRY_RUN=""
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN="--dry-run"; fi
+STARTED=$(date +%s)
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+OUT="benchmarks/results/gpu_check_${STAMP}${DRY_RUN:+_dry_run}.json"
+export FSDP_PEFT_CACHE="${FSDP_PEFT_CACHE:-${TMPDIR:-/tmp}/fsdp_peft_gpu_check}"
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+mkdir -p benchmarks/results "$FSDP_PEFT_CACHE"
+
+echo "[gpu_check] $(date -u +%FT%TZ) in $(pwd)"
+if [[ -z "$DRY_RUN" ]]; then
+    if ! command -v nvidia-smi >/dev/null || ! nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; then
+        echo "[gpu_check] no GPU visible (nvidia-smi failed); use --dry-run on a CPU machine" >&2
+        exit 3
+    fi
+fi
+
+if ! "$PYTHON" -c "import fsdp_peft, torch, transformers, accelerate, peft, bitsandbytes, datasets" 2>/dev/null; then
+    echo "[gpu_check] installing fsdp-peft and its dependencies (pip install -e .)"
+    timeout 180 "$PYTHON" -m pip install --quiet -e . || {
+        echo "[gpu_check] pip install failed (no network?): install torch (CUDA build), transformers, accelerate," \
+             "peft, bitsandbytes, datasets and this repository, then rerun" >&2
+        exit 4
+    }
+fi
+"$PYTHON" - <<'EOF'
+import torch, transformers, accelerate, peft, bitsandbytes
+print("[gpu_check] torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__,
+      "| accelerate", accelerate.__version__, "| peft", peft.__version__, "| bitsandbytes", bitsandbytes.__version__)
+print("[gpu_check] GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)")
+EOF
+
+LEFT=$(( TOTAL_SECONDS - ($(date +%s) - STARTED) ))
+BUDGET=$(( LEFT - 20 ))    # seconds the runs may use; the driver stops starting runs when it is spent
+echo "[gpu_check] ${BUDGET} s for the runs"
+status=0
+timeout --signal=TERM --kill-after=10 "$LEFT" \
+    "$PYTHON" benchmarks/gpu_check.py $DRY_RUN --budget "$BUDGET" --out "$OUT" || status=$?
+if [[ -f "$OUT" ]]; then
+    cp "$OUT" "benchmarks/results/gpu_check${DRY_RUN:+_dry_run}.json"
+    echo "[gpu_check] results: $OUT (exit status $status, $(( $(date +%s) - STARTED )) s in all)"
+else
+    echo "[gpu_check] no results written (exit status $status)" >&2
+fi
+exit "$status"

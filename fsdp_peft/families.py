@@ -1,0 +1,114 @@
+"""Model families: what the recipes need to know about Llama, Qwen and Mistral, one entry each.
+
+An entry is found by the model config's ``model_type``. It names the decoder layer class (one FSDP
+unit each), the modules LoRA adapts by default (``lora_target_modules: [auto]``), the token padding
+uses when the tokenizer has none, what to do when a checkpoint has no chat template, and the embedded
+tiny model of the same architecture (``tiny-<name>``) that stands in for it on a CPU.
+
+A causal LM with no entry takes the generic path: its ``_no_split_modules`` are the units and LoRA
+adapts every linear layer except the output head (peft's ``all-linear``). Add an entry only when a
+family needs something else; everything else in fsdp_peft reads these fields and nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_AND_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AUTO_TARGETS = "auto"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family is fine-tuned; see the module docstring for each field's use."""
+
+    name: str
+    model_types: tuple[str, ...]
+    decoder_layer: str | None  # None: the model's own _no_split_modules
+    lora_target_modules: tuple[str, ...]
+    pad_tokens: tuple[str, ...]  # tried in order when the tokenizer has no pad token; then EOS
+    chat_template_hint: str  # the fix when use_chat_template is on and the checkpoint has no template
+    tiny_model: str | None  # embedded stand-in, built by fsdp_peft.tiny
+    tiny_architecture: str | None  # its transformers class
+
+
+FAMILIES = (
+    Family(
+        name="llama",
+        model_types=("llama",),
+        decoder_layer="LlamaDecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<|finetune_right_pad_id|>",),  # Llama 3.1+ reserves it for padding
+        chat_template_hint="use the -Instruct checkpoint, whose tokenizer has the Llama 3 chat template",
+        tiny_model="tiny-llama",
+        tiny_architecture="LlamaForCausalLM",
+    ),
+    Family(
+        name="qwen2",
+        model_types=("qwen2",),
+        decoder_layer="Qwen2DecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<|endoftext|>",),  # what Qwen's own tokenizers pad with
+        chat_template_hint="use a Qwen2.5 -Instruct checkpoint (ChatML template)",
+        tiny_model="tiny-qwen2",
+        tiny_architecture="Qwen2ForCausalLM",
+    ),
+    Family(
+        name="qwen3",
+        model_types=("qwen3",),
+        decoder_layer="Qwen3DecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<|endoftext|>",),
+        chat_template_hint="Qwen3 checkpoints ship a ChatML template; check the tokenizer files of your copy",
+        tiny_model="tiny-qwen3",
+        tiny_architecture="Qwen3ForCausalLM",
+    ),
+    Family(
+        name="mistral",
+        model_types=("mistral",),
+        decoder_layer="MistralDecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<unk>",),  # Mistral defines no pad token; <unk> never occurs in real text
+        chat_template_hint="use the -Instruct checkpoint ([INST] template)",
+        tiny_model="tiny-mistral",
+        tiny_architecture="MistralForCausalLM",
+    ),
+)
+
+GENERIC = Family(
+    name="generic",
+    model_types=(),
+    decoder_layer=None,
+    lora_target_modules=("all-linear",),
+    pad_tokens=(),
+    chat_template_hint="set use_chat_template: false, or use a checkpoint whose tokenizer has a chat template",
+    tiny_model=None,
+    tiny_architecture=None,
+)
+
+
+def family_for(model_type: str | None) -> Family:
+    """The entry for a config's ``model_type``; the generic family when none matches."""
+    return next((family for family in FAMILIES if model_type in family.model_types), GENERIC)
+
+
+def family_of_model(model) -> Family:
+    """The entry for a (possibly PEFT-wrapped) model, from its config's ``model_type``."""
+    return family_for(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def tiny_family(name: str) -> Family | None:
+    """The family whose embedded tiny model is called ``name`` (``tiny-qwen2``), if any."""
+    return next((family for family in FAMILIES if family.tiny_model == name), None)
+
+
+def lora_targets(configured: list[str], family: Family) -> str | list[str]:
+    """What peft's ``target_modules`` gets: the family's default for ``[auto]``, else the configured names."""
+    targets = list(family.lora_target_modules) if configured == [AUTO_TARGETS] else configured
+    return targets[0] if targets == ["all-linear"] else targets
+
+
+def pad_token_for(tokenizer, family: Family) -> str:
+    """The pad token to set on a tokenizer that has none: the family's choice when in the vocabulary, else EOS."""
+    vocabulary = tokenizer.get_vocab()
+    return next((token for token in family.pad_tokens if token in vocabulary), tokenizer.eos_token)

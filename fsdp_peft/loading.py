@@ -1,0 +1,315 @@
+"""Low-memory loading under FSDP2 (``cpu_ram_efficient_loading``): only rank 0 reads the checkpoint.
+
+Every rank builds the model as a skeleton (weights on the meta device, the same modules as
+``from_pretrained`` builds, 4-bit ``Linear4bit`` included); LoRA adapters are created for real, with
+the same random initialisation as on a loaded model. FSDP2 shards the skeleton (nothing to copy), and
+then rank 0 reads one checkpoint tensor at a time with plain file reads, converts it exactly as
+``from_pretrained`` would (cast to the load dtype; for QLoRA, quantize to 4-bit on its own device), and
+scatters it: each rank receives only its shard. 4-bit weights travel as their packed bytes (the
+floating quant storage dtype, so they shard like any tensor) and their ``quant_state`` (absmax, nested
+constants, code, shape, dtype, blocksize: small) is broadcast whole and attached to the module, as
+bitsandbytes does when it quantizes.
+
+Why not accelerate's own path: transformers 5.24 reads the checkpoint on every rank even under
+``FSDP_CPU_RAM_EFFICIENT_LOADING`` (measured), accelerate keeps rank 0's full state dict alive while it
+broadcasts, and it skips the path entirely when bitsandbytes ``Params4bit`` are present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp_peft.errors import ConfigError
+
+PENDING = "_fsdp_peft_pending_checkpoint"  # set on a skeleton model: where its weights will come from
+
+
+def low_memory_loading_requested() -> bool:
+    """FSDP2 with ``cpu_ram_efficient_loading`` on several processes (both the accelerate and YAML routes).
+
+    transformers' `TrainingArguments` exports ``FSDP_CPU_RAM_EFFICIENT_LOADING`` from ``fsdp_config``; the
+    accelerate launcher exports it with ``ACCELERATE_USE_FSDP`` and ``FSDP_VERSION``.
+    """
+    env = os.environ
+    if env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() not in ("1", "true", "yes"):
+        return False
+    launcher = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    version = env.get("FSDP_VERSION", "1") if launcher else "2"  # the YAML route's default is FSDP2
+    return version == "2" and int(env.get("WORLD_SIZE", "1")) > 1
+
+
+def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None):
+    """The model ``from_pretrained(path, dtype, quantization_config)`` builds, with weights on meta.
+
+    Non-persistent buffers (rotary frequencies) are real: they are computed, not loaded. 4-bit layers get
+    a meta ``Params4bit`` of the packed shape, as FSDP will shard it.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # from_pretrained ties once loaded; FSDP must see the tied weight as one
+    if quantization is not None:
+        _quantize_skeleton(model, quantization, dtype)
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    setattr(model, PENDING, str(path))
+    return model.eval()  # from_pretrained returns eval-mode models
+
+
+def _quantize_skeleton(model, quantization, dtype: torch.dtype) -> None:
+    """transformers' own module replacement (``Linear4bit``), then meta packed weights of the final shape."""
+    import bitsandbytes as bnb
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            template = module.weight
+            shape = _packed_shape(template.shape, template.quant_storage)
+            packed = torch.empty(shape, dtype=template.quant_storage, device="meta")
+            settings = {k: v for k, v in template.__dict__.items() if k not in ("data", "quant_state", "bnb_quantized")}
+            module.weight = bnb.nn.Params4bit(packed, requires_grad=False, bnb_quantized=True, **settings)
+            module._fsdp_peft_quantize = (settings, dtype)  # what rank 0 quantizes each weight with
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+
+
+def _packed_shape(shape: torch.Size, storage: torch.dtype) -> tuple[int, int]:
+    """bitsandbytes packs two 4-bit values per byte into a column of the storage dtype."""
+    return ((shape.numel() + 1) // 2 // storage.itemsize, 1)
+
+
+@contextlib.contextmanager
+def adapters_created_off_meta():
+    """Keep LoRA weights created beside a meta base layer on the CPU (peft would move them to meta).
+
+    Creation, initialisation and dtype casts are unchanged, so they draw the same random numbers and
+    give the same values as on a loaded model; only peft's final moves to the base layer's (meta)
+    device are undone.
+    """
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    original_replace = LoraModel._replace_module
+
+    def move(self, adapter_name, device=None):
+        base_device, _ = self._get_base_layer_device_and_dtype(self.get_base_layer())
+        if device is None and base_device is not None and base_device.type == "meta":
+            device = torch.device("cpu")
+        return original_move(self, adapter_name, device=device)
+
+    def replace(self, parent, child_name, new_module, child):
+        kept = [(m, n, p) for m in new_module.modules() for n, p in m.named_parameters(recurse=False) if not p.is_meta]
+        original_replace(self, parent, child_name, new_module, child)
+        for module, name, parameter in kept:
+            if getattr(module, name).is_meta:
+                module._parameters[name] = parameter
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+    LoraModel._replace_module = replace
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
+        LoraModel._replace_module = original_replace
+
+
+def pending_checkpoint(model: torch.nn.Module) -> str | None:
+    """The checkpoint a skeleton model still has to receive, if any (also through a PEFT wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, PENDING, None)
+
+
+def checkpoint_key(name: str) -> str:
+    """A model state-dict name as stored in the base checkpoint (PEFT's wrapper components removed)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_to_cpu: bool) -> int:
+    """Fill a sharded skeleton from its checkpoint; collective. Returns the number of tensors loaded.
+
+    Rank 0 reads, converts and scatters one tensor at a time; nobody holds more than one full tensor.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from fsdp_peft.export import read_tensors
+
+    rank = dist.get_rank()
+    missing, seen = {}, set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if value.device.type == "meta" and id(value) not in seen:  # tied weights: one parameter, two names
+            missing[name] = value
+        seen.add(id(value))
+    # rank 0 alone looks at the checkpoint; every rank learns its plan (or its problem) from it
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tied = set(getattr(base, "all_tied_weights_keys", None) or {})  # re-tied after loading, not read
+    box = [reading_plan(pending_checkpoint(model), missing, tied) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ConfigError(box[0])
+    by_file: dict[Path, list[str]] = box[0]
+
+    modules = dict(model.named_modules())
+    loaded: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        stream = read_tensors(file, [checkpoint_key(n) for n in names]) if rank == 0 else None
+        for name in names:
+            target = missing[name]
+            module = modules[name.rpartition(".")[0]]
+            quantize = getattr(module, "_fsdp_peft_quantize", None)
+            full = None
+            if rank == 0:
+                _, tensor = next(stream)
+                full, quant_state = _convert(tensor, target.dtype, quantize, device)
+            if quantize is not None:
+                module.quant_state = _broadcast_quant_state(quant_state if rank == 0 else None, device)
+            if full is None:
+                full = torch.empty(target.shape, dtype=target.dtype, device=device)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
+            else:  # not sharded (e.g. left out of FSDP): every rank takes the whole tensor
+                dist.broadcast(full, src=0)
+                value = full
+            del full
+            loaded[name] = value.to("cpu") if offload_to_cpu else value
+            release_freed_host_memory()
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    delattr(base, PENDING)
+    return len(loaded)
+
+
+def reading_plan(
+    name: str, missing: dict[str, torch.Tensor], tied: set[str] = frozenset()
+) -> dict[Path, list[str]] | str:
+    """``{safetensors file: model names}``, largest tensors first, or the problem that prevents reading.
+
+    ``tied`` names weights (checkpoint keys) that are tied to another: absent from the checkpoint, they
+    are left out, and tied again once loaded.
+
+    Largest first: their transient full copies on rank 0 then meet few shards already held. A hub id is
+    resolved to its downloaded snapshot (downloaded now, by rank 0 only, when absent).
+    """
+    from fsdp_peft.export import base_tensor_files
+
+    path = Path(name).expanduser()
+    try:
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json"]))
+        files = base_tensor_files(path)
+    except (ConfigError, OSError, ValueError) as error:
+        return (
+            f"cpu_ram_efficient_loading: cannot read {name} tensor by tensor ({error}); it needs a safetensors "
+            "checkpoint: convert it, or set cpu_ram_efficient_loading: false"
+        )
+    missing = {n: v for n, v in missing.items() if checkpoint_key(n) in files or checkpoint_key(n) not in tied}
+    absent = sorted(k for k in map(checkpoint_key, missing) if k not in files)
+    if absent:
+        return (
+            f"cpu_ram_efficient_loading: {path} lacks {len(absent)} weights the model needs (e.g. {absent[0]}); "
+            "set cpu_ram_efficient_loading: false to load it through from_pretrained"
+        )
+    plan: dict[Path, list[str]] = {}
+    for model_name in sorted(missing, key=lambda n: -missing[n].numel()):
+        plan.setdefault(files[checkpoint_key(model_name)], []).append(model_name)
+    return plan
+
+
+def release_freed_host_memory() -> None:
+    """Hand memory freed by the allocator back to the OS (glibc only; elsewhere nothing happens).
+
+    glibc keeps freed blocks below its mmap threshold (up to 32 MiB, raised as large blocks are freed)
+    in its heap; one full tensor read, scattered and freed after another would otherwise stay resident
+    on rank 0 and add up to a full copy of the model.
+    """
+    import ctypes
+    import ctypes.util
+
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def _convert(tensor: torch.Tensor, dtype: torch.dtype, quantize: tuple | None, device: torch.device):
+    """What ``from_pretrained`` makes of a checkpoint tensor: the load dtype, and for 4-bit layers the
+    packed weight and its quant state, quantized on this rank's device as bitsandbytes does it there."""
+    if quantize is None:
+        return tensor.to(device=device, dtype=dtype), None
+    import bitsandbytes as bnb
+
+    settings, load_dtype = quantize
+    weight = bnb.nn.Params4bit(tensor.to(load_dtype), requires_grad=False, **{**settings, "module": None})
+    quantized = weight.to(device)
+    return quantized.data, quantized.quant_state
+
+
+def _broadcast_quant_state(quant_state, device: torch.device):
+    """Rank 0's ``QuantState`` on every rank, pickled from the CPU so that any backend can carry it."""
+    if quant_state is not None:
+        quant_state.to("cpu")  # in place
+    box = [quant_state]
+    dist.broadcast_object_list(box, src=0)
+    box[0].to(device)
+    return box[0]
+
+
+@contextlib.contextmanager
+def weights_loaded_after_sharding(model: torch.nn.Module, accelerator):
+    """While the `Accelerator` prepares ``model``: shard the skeleton, then fill it (`load_sharded_weights`).
+
+    The weights arrive inside accelerate's FSDP2 preparation, before it maps the optimizer's parameters
+    to the sharded ones. Accelerate's own rank-0 broadcast is switched off meanwhile: it would send
+    rank 0's full state dict, which here does not exist.
+    """
+    if pending_checkpoint(model) is None:
+        yield
+        return
+    import accelerate.accelerator as accelerate_module
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin is None or plugin.fsdp_version != 2:
+        raise ConfigError(
+            "cpu_ram_efficient_loading: the model was built for FSDP2's low-memory loading; set fsdp_version: 2"
+        )
+    original = accelerate_module.fsdp2_prepare_model
+
+    def prepare(accelerator, model):
+        plugin.cpu_ram_efficient_loading = False
+        try:
+            prepared = original(accelerator, model)
+        finally:
+            plugin.cpu_ram_efficient_loading = True
+        offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+        source = pending_checkpoint(prepared)
+        count = load_sharded_weights(prepared, accelerator.device, offload_to_cpu=offload)
+        if accelerator.is_main_process:
+            print(f"[fsdp-peft] low-memory loading: rank 0 read {count} tensors of {source}, each rank kept its shards")
+        return prepared
+
+    accelerate_module.fsdp2_prepare_model = prepare
+    try:
+        yield
+    finally:
+        accelerate_module.fsdp2_prepare_model = original

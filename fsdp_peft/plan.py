@@ -1,0 +1,378 @@
+"""Memory plan of a recipe config: per-GPU and host bytes, from the model config alone (no weights).
+
+`plan_memory` builds the model on the meta device from its config, attaches the recipe's LoRA adapters
+there, and counts, for the largest rank:
+
+- **exact from the config** (checked against `fsdp_peft.memory`'s measured ``memory.json``): the base
+  weight shard in its storage dtype (QLoRA: decoder-layer linears packed 4 bits per value into
+  ``bnb_4bit_quant_storage`` elements, embeddings, norms and head in ``torch_dtype``), the adapter shard
+  (fp32 master weights under bf16/fp16 mixed precision, else ``torch_dtype``), gradients (trainable
+  only) and optimizer states, all sharded by FSDP on dim 0 (ceil division: rank 0 holds the largest
+  chunk); plus the 4-bit quantization constants, which stay whole on every rank.
+- **estimates**: FSDP units gathered at the peak, activations (formula in `activation_bytes`), CUDA
+  context, and host RAM while loading.
+
+The verdict names the switches that would make a config fit and what each saves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from fsdp_peft.errors import ConfigError
+
+GIB = 2**30
+QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 values
+NESTED_BLOCK = 256  # double quantization: one fp32 absmax per 256 first-level constants
+CUDA_CONTEXT_BYTES = GIB  # estimate: CUDA context, cuBLAS workspaces, allocator slack (not in torch's count)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_LIKE = ("adamw", "adam", "lamb", "adan", "ademamix")
+RESIDENT_ROWS = ("base weights (shard)", "adapter weights (shard)", "gradients (shard)", "optimizer states (shard)")
+
+
+@dataclass
+class ModelCounts:
+    """Per-rank (largest rank) storage of the model's parameters, from a meta-device copy."""
+
+    base_parameters: int = 0  # elements in the full model
+    adapter_parameters: int = 0
+    adapter_tensors: int = 0
+    base_bytes: int = 0  # this rank's shard
+    adapter_bytes: int = 0
+    quantization_constant_bytes: int = 0  # QLoRA: not sharded
+    layer_gathered_bytes: int = 0  # one decoder layer as FSDP gathers it
+    largest_other_unit_gathered_bytes: int = 0  # embeddings or head
+    largest_linear_numel: int = 0
+    linear_weight_bytes: int = 0  # this rank's shard of the decoder-layer linear weights, unquantized
+
+
+@dataclass
+class MemoryPlan:
+    """The plan: inputs, per-GPU components (bytes), host RAM, verdict and suggestions."""
+
+    config: str
+    model: str
+    world_size: int
+    gpu_memory_bytes: int
+    fsdp: str
+    mixed_precision: str | None
+    load_in_4bit: bool
+    tokens_per_rank: int
+    activation_checkpointing: bool
+    offload_params: bool
+    optimizer: str
+    counts: ModelCounts
+    gpu: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[dict] = field(default_factory=list)
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def parameter_gradient_optimizer_bytes(self) -> int:
+        """Exact part: what `fsdp_peft.memory.MemoryReport` measures as parameters + gradients + optimizer."""
+        return sum(self.gpu[row] for row in RESIDENT_ROWS)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_total <= self.gpu_memory_bytes
+
+    def to_json(self) -> dict:
+        values = asdict(self)
+        values.update(
+            gpu_total=self.gpu_total,
+            fits=self.fits,
+            parameter_gradient_optimizer_bytes=self.parameter_gradient_optimizer_bytes,
+            verdict=verdict(self),
+        )
+        return values
+
+
+def storage_dtype_bytes(recipe, mixed_precision: str | None) -> tuple[int, int]:
+    """Bytes per element of frozen base weights and of trainable adapter weights."""
+    base = DTYPE_BYTES[recipe.torch_dtype]
+    adapter = 4 if mixed_precision else base  # `fsdp_peft.modeling.attach_lora`: fp32 masters under autocast
+    return base, adapter
+
+
+def shard_numel(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of the largest FSDP2 shard: dim 0 split in chunks of ceil(dim0 / world size)."""
+    if not shape:
+        return 1
+    rows = math.ceil(shape[0] / world_size)
+    return rows * math.prod(shape[1:])
+
+
+def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
+    """Shape bitsandbytes gives a 4-bit weight: two values per byte, packed into ``storage_bytes`` elements."""
+    return (math.ceil((numel + 1) // 2 / storage_bytes), 1)
+
+
+def quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str) -> int:
+    """bitsandbytes ``quant_state`` of one 4-bit weight: absmax per block (+ nested constants), code, offset."""
+    blocks = math.ceil(numel / QUANT_BLOCK)
+    code = 16 * 4 if quant_type in ("nf4", "fp4") else 0
+    if not double_quant:
+        return blocks * 4 + code
+    nested_blocks = math.ceil(blocks / NESTED_BLOCK)
+    return blocks + nested_blocks * 4 + code + 256 * 4 + 4  # uint8 absmax, fp32 nested absmax, nested code, offset
+
+
+def meta_peft_model(model_config, recipe):
+    """The model with the recipe's LoRA adapters, on the meta device: shapes without memory."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_peft.families import family_for, lora_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+        lora = LoraConfig(
+            r=recipe.lora_r,
+            lora_alpha=recipe.lora_alpha,
+            lora_dropout=recipe.lora_dropout,
+            target_modules=lora_targets(recipe.lora_target_modules, family_for(model_config.model_type)),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, lora)
+
+
+def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None, gather_bytes: int) -> ModelCounts:
+    """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them."""
+    from fsdp_peft.policies import decoder_layer_classes
+
+    base_bytes, adapter_bytes = storage_dtype_bytes(recipe, mixed_precision)
+    storage_bytes = DTYPE_BYTES.get(recipe.bnb_4bit_quant_storage, 1)
+    inner = peft_model.get_base_model()
+    head = inner.get_output_embeddings()
+    head_weight = head.weight if head is not None else None
+    layers = [m for m in inner.modules() if isinstance(m, tuple(decoder_layer_classes(inner)))]
+    counts = ModelCounts()
+    linear: set[int] = set()  # transformers' bnb quantizer converts every nn.Linear except the output head
+    for module in inner.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not head_weight and not module.weight.requires_grad:
+            linear.add(id(module.weight))
+            counts.largest_linear_numel = max(counts.largest_linear_numel, module.weight.numel())
+            counts.linear_weight_bytes += shard_numel(tuple(module.weight.shape), world_size) * base_bytes
+    quantized = linear if recipe.load_in_4bit else set()
+    for parameter in peft_model.parameters():
+        if parameter.requires_grad:
+            counts.adapter_parameters += parameter.numel()
+            counts.adapter_tensors += 1
+            counts.adapter_bytes += shard_numel(tuple(parameter.shape), world_size) * adapter_bytes
+        elif id(parameter) in quantized:
+            counts.base_parameters += parameter.numel()
+            shape = packed_4bit_shape(parameter.numel(), storage_bytes)
+            counts.base_bytes += shard_numel(shape, world_size) * storage_bytes
+            counts.quantization_constant_bytes += quantization_constant_bytes(
+                parameter.numel(), recipe.bnb_4bit_use_double_quant, recipe.bnb_4bit_quant_type
+            )
+        else:
+            counts.base_parameters += parameter.numel()
+            counts.base_bytes += shard_numel(tuple(parameter.shape), world_size) * base_bytes
+    if layers:
+        counts.layer_gathered_bytes = sum(
+            (math.ceil(p.numel() / 2) if id(p) in quantized else p.numel() * gather_bytes) for p in layers[0].parameters()
+        )
+    others = [m for m in (inner.get_input_embeddings(), head) if m is not None]
+    counts.largest_other_unit_gathered_bytes = max((m.weight.numel() * gather_bytes for m in others), default=0)
+    return counts
+
+
+def optimizer_state_bytes(optim: str, adapter_shard_bytes: int, adapter_tensors: int) -> tuple[int, str | None]:
+    """Optimizer states for the trainable shard, and a note when the figure is only an estimate."""
+    name = optim.lower()
+    if name.startswith("sgd"):
+        return 0, None  # Trainer's SGD has no momentum: no state tensors
+    if "8bit" in name:
+        return adapter_shard_bytes // 2, f"optim: {optim}: 8-bit states estimated at 2 bytes per fp32 value"
+    if "lion" in name:
+        return adapter_shard_bytes + adapter_tensors * 4, None
+    if "adafactor" in name:
+        return adapter_shard_bytes // 4, f"optim: {optim}: factored states estimated at a quarter of the weights"
+    note = None if any(name.startswith(a) for a in ADAM_LIKE) else f"optim: {optim}: assumed Adam-like (two states)"
+    return 2 * adapter_shard_bytes + adapter_tensors * 4, note  # two moments + a 4-byte step per tensor
+
+
+def activation_bytes(model_config, recipe, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """Estimated activations saved for backward on one rank (memory-efficient attention, no seq² term).
+
+    Per decoder layer per token (Llama-style: RMSNorm, attention with ``kv`` = KV width, SwiGLU MLP of
+    width ``i``): ``c·(4h + 2kv + 4i)`` bytes (``c`` = compute dtype bytes: both norm inputs, q, attention
+    output, k and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms'
+    fp32 upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0.
+    Checked once (2026-11-29, CPU) against the bytes autograd saves in a forward of the 134M benchmark
+    model without checkpointing: the layer term was 6-9% above them (fp32; bf16 with dropout).
+    With checkpointing, each layer keeps only its input (``c·h``) and one layer is recomputed at a time.
+    Logits: ``tokens x vocab x (c + 4 + 8)``: the head output, its fp32 upcast, the fp32 log-softmax and
+    its gradient.
+    """
+    h = model_config.hidden_size
+    i = getattr(model_config, "intermediate_size", 4 * h)
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or h // heads
+    kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
+    per_layer = compute_bytes * (4 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
+    if recipe.lora_dropout > 0:
+        per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
+    layers = model_config.num_hidden_layers
+    body = tokens * (layers * compute_bytes * h + per_layer) if checkpointing else tokens * layers * per_layer
+    upcast = 4 if compute_bytes != 4 else 0
+    logits = tokens * model_config.vocab_size * (compute_bytes + upcast + 8)
+    return body + logits
+
+
+def load_model_config(name: str):
+    """The model's config only: embedded tiny models, local directories, or hub ids (downloaded config)."""
+    from transformers import AutoConfig
+
+    from fsdp_peft.tiny import resolve_model_path
+
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        pass  # not on this machine: ask the hub
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"model_name_or_path: cannot read the config of '{name}' ({first}); give a local directory with "
+            "config.json, or log in / connect for a hub id"
+        ) from None
+
+
+def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryPlan:
+    """Plan the recipe config at ``config_path`` on ``world_size`` GPUs of ``gpu_memory`` bytes each.
+
+    FSDP and mixed-precision settings come from the YAML or, under an accelerate config, from the
+    ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
+    """
+    import os
+    from pathlib import Path
+
+    from fsdp_peft.config import resolve_recipe_config
+    from fsdp_peft.validation import fsdp_settings, mixed_precision_dtype
+
+    recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
+    ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 1:
+        raise ConfigError(f"--gpus: {ranks} is not a positive number of GPUs")
+    settings = fsdp_settings(training)
+    notes = []
+    if settings is None and ranks > 1:
+        notes.append("no FSDP settings in the config: assumed FSDP2 full sharding (pass --accelerate-config FILE)")
+    shard_over = ranks if (settings is not None or ranks > 1) else 1
+    fsdp = "none" if shard_over == 1 and settings is None else f"FSDP{settings.version if settings else 2}"
+    if settings is not None and settings.version == 1:
+        notes.append("FSDP1 shards flat parameters per unit; per-parameter FSDP2 sharding is counted (close)")
+    mixed = mixed_precision_dtype(training)
+    compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
+    gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
+    model_config = load_model_config(recipe.model_name_or_path)
+    counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes)
+
+    optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
+    optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
+    notes += [note] if note else []
+    checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
+    offload = bool(settings and settings.offload_params)
+    tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
+    plan = MemoryPlan(
+        config=str(config_path), model=recipe.model_name_or_path, world_size=ranks, gpu_memory_bytes=gpu_memory,
+        fsdp=fsdp, mixed_precision=mixed, load_in_4bit=recipe.load_in_4bit, tokens_per_rank=tokens,
+        activation_checkpointing=checkpointing, offload_params=offload, optimizer=optim, counts=counts, notes=notes,
+    )  # fmt: skip
+    resident = dict(zip(RESIDENT_ROWS, (counts.base_bytes, counts.adapter_bytes, counts.adapter_bytes, optimizer)))
+    plan.gpu = {name: 0 if offload else value for name, value in resident.items()}
+    plan.gpu["quantization constants (whole)"] = counts.quantization_constant_bytes
+    gathered = 0
+    if shard_over > 1:  # current unit + the prefetched one, and the biggest non-layer unit (head / embeddings)
+        gathered = 2 * counts.layer_gathered_bytes + counts.largest_other_unit_gathered_bytes
+    if recipe.load_in_4bit:  # one weight dequantized for its matmul
+        gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
+    plan.gpu["gathered units at peak (est.)"] = gathered
+    plan.gpu["activations (est.)"] = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing)
+    plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
+
+    full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
+    low_memory = bool(settings and settings.cpu_ram_efficient_loading)
+    ranks_per_node = min(ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+    plan.host = {
+        "loading: checkpoint copies (est.)": full_model_bytes * (1 if low_memory else ranks_per_node),
+        "offloaded shards": sum(resident.values()) * ranks_per_node if offload else 0,
+    }
+    plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
+    return plan
+
+
+def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_model_bytes: int, low_memory: bool):
+    """Switches that lower per-GPU (or host) memory, each with what it saves; most saving first."""
+    found = []
+    compute_bytes = DTYPE_BYTES[plan.mixed_precision or recipe.torch_dtype]
+    if not plan.activation_checkpointing:
+        checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
+        saved = plan.gpu["activations (est.)"] - checkpointed
+        found.append({"switch": "gradient_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
+    if not plan.offload_params:
+        found.append({"switch": "fsdp_offload_params: true (accelerate config)", "saves": sum(resident.values())})
+    if not plan.load_in_4bit:  # 4 bits per value plus ~1.6% constants instead of torch_dtype
+        bytes_per_value = DTYPE_BYTES[recipe.torch_dtype]
+        saved = plan.counts.linear_weight_bytes * (1 - 0.5 * 1.016 / bytes_per_value)
+        found.append({"switch": "load_in_4bit: true (QLoRA recipe)", "saves": int(saved)})
+    if not low_memory and plan.world_size > 1:
+        saved = full_model_bytes * (plan.world_size - 1)
+        found.append({"switch": "fsdp_cpu_ram_efficient_loading: true (host RAM while loading)", "saves": saved, "host": True})
+    return sorted(found, key=lambda s: (s.get("host", False), -s["saves"]))
+
+
+def gib(value: int) -> str:
+    """A byte count for people: GiB from 1 GiB up, else MiB."""
+    return f"{value / GIB:.2f} GiB" if abs(value) >= GIB else f"{value / 2**20:.1f} MiB"
+
+
+def budget(value: int) -> str:
+    """A GPU size as given: ``24 GiB`` rather than ``24.00 GiB``."""
+    return gib(value).replace(".00 ", " ")
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """One line: fits with what to spare, or does not fit and which switches would save how much."""
+    size = budget(plan.gpu_memory_bytes)
+    spare = plan.gpu_memory_bytes - plan.gpu_total
+    if spare >= 0:
+        return f"fits in {size} per GPU with {gib(spare)} to spare (estimate)"
+    gpu_switches = [s for s in plan.suggestions if not s.get("host")]
+    listed = ", ".join(f"{s['switch']} (saves {gib(s['saves'])})" for s in gpu_switches if s["saves"] > 0)
+    needed = f"does not fit in {size} per GPU (needs {gib(plan.gpu_total)}, estimate)"
+    return f"{needed}: turn on {listed}" if listed else f"{needed}: use more or larger GPUs, or a smaller batch"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The readable table: per-GPU components, host RAM, notes and verdict."""
+    c = plan.counts
+    lines = [
+        f"memory plan for {plan.config}: {plan.model}, {plan.world_size} GPU(s) x {budget(plan.gpu_memory_bytes)}, "
+        f"{plan.fsdp}, mixed precision {plan.mixed_precision or 'none'}, {'QLoRA (4-bit base)' if plan.load_in_4bit else 'LoRA'}",
+        f"  base parameters {c.base_parameters:,}; adapter parameters {c.adapter_parameters:,}; optimizer {plan.optimizer}; "
+        f"{plan.tokens_per_rank:,} tokens per rank per micro-batch; activation checkpointing "
+        f"{'on' if plan.activation_checkpointing else 'off'}; offload {'on' if plan.offload_params else 'off'}",
+        "",
+        f"  {'per GPU (largest rank)':<40} {'bytes':>14} {'':>11}",
+    ]
+    lines += [f"  {name:<40} {value:>14,} {gib(value):>11}" for name, value in plan.gpu.items()]
+    lines += [f"  {'total':<40} {plan.gpu_total:>14,} {gib(plan.gpu_total):>11}", "", f"  {'host RAM per node':<40}"]
+    lines += [f"  {name:<40} {value:>14,} {gib(value):>11}" for name, value in plan.host.items()]
+    lines += [""] + [f"  note: {note}" for note in plan.notes]
+    lines.append("  (est.) rows are estimates; weights, gradients and optimizer rows are exact counts from the config")
+    host_tips = [s for s in plan.suggestions if s.get("host")]
+    lines += [f"  host RAM: {s['switch']} saves {gib(s['saves'])}" for s in host_tips]
+    lines.append(verdict(plan))
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""The memory planner (`fsdp_peft.plan`, ``fsdp-peft plan``) and the measured accounting (`fsdp_peft.memory`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, launch_recipe, read_json
+from fsdp_peft.cli import _environment, launcher_environment, main
+from fsdp_peft.plan import plan_memory
+
+CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
+RECIPES = {"lora": "llama_lora", "qlora": "llama_qlora"}
+
+
+def recipe_config(tmp_path: Path, method: str, **overrides) -> Path:
+    """A recipe YAML: the recipe's embedded default plus ``overrides``."""
+    values = {"include": str(REPO / "configs" / RECIPES[method] / "tiny.yaml"), **overrides}
+    path = tmp_path / f"{method}.yaml"
+    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
+    return path
+
+
+def plan_for(config: Path, world_size: int, gpu_memory: int = 80 * 2**30):
+    launcher = launcher_environment(CPU_FSDP2) if world_size > 1 else {}
+    with _environment(launcher):
+        return plan_memory(config, world_size, gpu_memory)
+
+
+@pytest.fixture(scope="module")
+def loaded_models(tiny_model_dir):
+    """The tiny model as each recipe really loads it: base (4-bit for QLoRA) plus LoRA adapters."""
+    from fsdp_peft.config import resolve_recipe_config
+    from fsdp_peft.modeling import attach_lora, load_base_model
+
+    models = {}
+    for method, recipe in RECIPES.items():
+        config = REPO / "configs" / recipe / "tiny.yaml"
+        args, training, _ = resolve_recipe_config(["--config", str(config)], config, "outputs")
+        training_args = type("Flags", (), {"bf16": bool(training.get("bf16")), "fp16": bool(training.get("fp16"))})
+        models[method] = attach_lora(load_base_model(args), args, training_args)
+    return models
+
+
+def first_shard_bytes(tensor: torch.Tensor, world_size: int) -> int:
+    """Bytes of rank 0's FSDP2 shard: the first ``torch.chunk`` along dim 0."""
+    shard = torch.chunk(tensor.detach(), world_size, dim=0)[0] if tensor.dim() else tensor
+    return shard.numel() * shard.element_size()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_planned_parameter_bytes_per_rank_equal_those_of_the_loaded_model(
+    loaded_models, tmp_path, method, world_size
+):
+    model = loaded_models[method]
+    plan = plan_for(recipe_config(tmp_path, method), world_size)
+    frozen = sum(first_shard_bytes(p, world_size) for p in model.parameters() if not p.requires_grad)
+    trainable = sum(first_shard_bytes(p, world_size) for p in model.parameters() if p.requires_grad)
+    assert plan.gpu["base weights (shard)"] == frozen
+    assert plan.gpu["adapter weights (shard)"] == trainable
+    assert plan.gpu["gradients (shard)"] == trainable
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    assert plan.gpu["optimizer states (shard)"] == 2 * trainable + 4 * tensors  # AdamW: 2 moments + a step
+
+
+def test_planned_quantization_constants_equal_those_of_the_loaded_model(loaded_models, tmp_path):
+    from fsdp_peft.memory import quantization_constant_bytes
+
+    plan = plan_for(recipe_config(tmp_path, "qlora"), 2)
+    assert plan.gpu["quantization constants (whole)"] == quantization_constant_bytes(loaded_models["qlora"])
+
+
+def test_sharding_over_two_ranks_halves_planned_weights_gradients_and_optimizer(tmp_path):
+    config = recipe_config(tmp_path, "lora")
+    one, two = plan_for(config, 1), plan_for(config, 2)
+    assert 0.5 <= two.parameter_gradient_optimizer_bytes / one.parameter_gradient_optimizer_bytes <= 0.51
+
+
+def test_activation_checkpointing_lowers_planned_activations_and_leaves_the_suggestions(tmp_path):
+    plain = plan_for(recipe_config(tmp_path, "qlora", max_seq_length=2048), 2)
+    checkpointed = plan_for(recipe_config(tmp_path, "qlora", max_seq_length=2048, gradient_checkpointing=True), 2)
+    assert checkpointed.gpu["activations (est.)"] < plain.gpu["activations (est.)"]
+    assert plain.gpu["activations (est.)"] - checkpointed.gpu["activations (est.)"] == next(
+        s["saves"] for s in plain.suggestions if s["switch"].startswith("gradient_checkpointing")
+    )
+    assert not any(s["switch"].startswith("gradient_checkpointing") for s in checkpointed.suggestions)
+
+
+def test_plan_of_a_missing_config_is_a_one_line_error_with_exit_code_2(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(tmp_path / "missing.yaml"), "--gpus", "2"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error:") and "missing.yaml" in error and len(error.splitlines()) == 1
+
+
+def test_plan_says_it_fits_with_room_to_spare_and_exits_0(capsys, tmp_path):
+    main(["plan", str(recipe_config(tmp_path, "qlora")), "--gpus", "2", "--gpu-memory", "24GiB"])
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("fits in 24 GiB per GPU with") and "to spare" in verdict
+
+
+def test_plan_that_does_not_fit_names_the_switches_and_exits_1(capsys, tmp_path):
+    config = recipe_config(tmp_path, "lora", max_seq_length=4096, per_device_train_batch_size=64)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(config), "--accelerate-config", str(CPU_FSDP2), "--gpu-memory", "4GiB", "--json"])
+    assert exit_info.value.code == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["world_size"] == 2 and plan["fits"] is False
+    assert plan["gpu_total"] == sum(plan["gpu"].values()) > 4 * 2**30
+    assert plan["verdict"].startswith("does not fit in 4 GiB per GPU") and "gradient_checkpointing: true" in plan["verdict"]
+
+
+@pytest.mark.slow
+def test_two_rank_run_writes_memory_json_matching_the_plan(tmp_path):
+    """QLoRA under FSDP2 on 2 ranks: each rank's measured bytes are the planner's, and the shards add up."""
+    config = recipe_config(tmp_path, "qlora", max_steps=2, generate_samples=0, generate_eval_samples=0,
+                           output_dir=str(tmp_path / "out"))  # fmt: skip
+    launch_recipe("llama_qlora", "--config", str(config))
+    report = read_json(tmp_path / "out" / "memory.json")
+    assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
+    plan, whole = plan_for(config, 2), plan_for(config, 1)
+    rank0 = report["ranks"][0]
+    assert rank0["parameter_bytes"] == plan.gpu["base weights (shard)"] + plan.gpu["adapter weights (shard)"]
+    assert rank0["gradient_bytes"] == plan.gpu["gradients (shard)"]
+    assert rank0["optimizer_state_bytes"] == plan.gpu["optimizer states (shard)"]
+    assert rank0["quantization_constant_bytes"] == plan.gpu["quantization constants (whole)"]
+    both = sum(r["parameter_bytes"] for r in report["ranks"])
+    assert both == whole.gpu["base weights (shard)"] + whole.gpu["adapter weights (shard)"]
+    assert all(r["peak_rss_bytes"] >= r["peak_rss_after_loading_bytes"] > 0 for r in report["ranks"])
+    assert math.isclose(rank0["parameter_gradient_optimizer_bytes"], plan.parameter_gradient_optimizer_bytes)
