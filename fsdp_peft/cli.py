@@ -93,8 +93,12 @@ def _export(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from fsdp_peft.inference import run_generate
+    from fsdp_peft.recipe import release_process_group
 
-    run_generate(args)
+    try:
+        run_generate(args)
+    finally:
+        release_process_group()
 
 
 def _plan(args: argparse.Namespace) -> None:

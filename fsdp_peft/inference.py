@@ -170,5 +170,3 @@ def run_generate(args) -> None:
                 print(json.dumps({"prompt": prompt, "completion": completion}), flush=True)
             elif not stream:
                 print(f">>> {prompt}\n{completion}\n", flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()

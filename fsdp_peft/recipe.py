@@ -29,6 +29,26 @@ from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 @exits_cleanly_on_user_error
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
+    try:
+        return _run_recipe(name, default_config, argv)
+    finally:
+        release_process_group()
+
+
+def release_process_group() -> None:
+    """Destroy the process group while the interpreter is whole.
+
+    Left to interpreter shutdown, gloo's worker threads can still hold work with Python references and
+    the process aborts after a finished run ("terminate called without an active exception", SIGABRT),
+    which the launcher reports as a failure.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
     started = time.monotonic()
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
     if training.include_num_input_tokens_seen == "no":
