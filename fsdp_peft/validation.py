@@ -248,9 +248,14 @@ def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
     return None
 
 
+def _save_strategy(training: dict) -> str:
+    """``save_strategy`` as Trainer reads it (default ``steps``), lower case."""
+    return str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
+
+
 def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
     settings = fsdp_settings(training)
-    strategy = str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
+    strategy = _save_strategy(training)
     if settings and settings.version == 1 and strategy != "no" and "SHARDED" not in settings.state_dict_type:
         return (
             f"save_strategy: '{strategy}' under FSDP1 with state_dict_type {settings.state_dict_type}: fsdp-peft "
@@ -283,7 +288,7 @@ def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
 
 
 def _checkpoints_are_finished_by_one_rank(recipe, training) -> str | None:
-    strategy = str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
+    strategy = _save_strategy(training)
     if fsdp_in_use(training) and _truthy(training.get("save_on_each_node", False)) and strategy != "no":
         return (
             "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint "
