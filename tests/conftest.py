@@ -62,6 +62,11 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    """``{step: training loss}`` as Trainer logged them in ``output_dir/trainer_state.json``."""
+    return {e["step"]: e["loss"] for e in read_json(Path(output_dir) / "trainer_state.json")["log_history"] if "loss" in e}
+
+
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
     command = [

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launch_recipe, read_json
+from conftest import REPO, free_port, launch_recipe, logged_losses, read_json
 
 SBATCH = REPO / "configs" / "slurm" / "recipe.sbatch"
 MULTINODE = REPO / "configs" / "accelerate" / "multinode_fsdp2.yaml"
@@ -77,10 +77,6 @@ def loopback_nodes(tmp_path_factory, name: str, config, processes_per_node: int,
     return output_dir
 
 
-def _losses(output_dir) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in read_json(output_dir / "trainer_state.json")["log_history"] if "loss" in e}
-
-
 def _worst_relative_difference(losses: dict[int, float], reference: dict[int, float], steps) -> float:
     return max(abs(losses[step] - reference[step]) / abs(reference[step]) for step in steps)
 
@@ -111,7 +107,7 @@ def hsdp(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.slow
 def test_two_nodes_train_like_one_node(two_nodes, one_node):
-    losses, reference = _losses(two_nodes), _losses(one_node)
+    losses, reference = logged_losses(two_nodes), logged_losses(one_node)
     assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5]
     worst = _worst_relative_difference(losses, reference, range(1, 6))
     print(f"2 nodes x 1 process vs 1 node x 2: largest relative loss difference over 5 steps {worst:.2e}")
@@ -125,7 +121,7 @@ def test_two_nodes_train_like_one_node(two_nodes, one_node):
 
 @pytest.mark.slow
 def test_hsdp_shards_within_a_node_replicates_across_and_trains_like_fsdp(hsdp, one_node):
-    losses, reference = _losses(hsdp), _losses(one_node)
+    losses, reference = logged_losses(hsdp), logged_losses(one_node)
     assert sorted(losses) == [1, 2, 3]
     worst = _worst_relative_difference(losses, reference, range(1, 4))
     print(f"HSDP 2 replicas x 2 shards vs FSDP on 2 processes: largest relative loss difference over 3 steps {worst:.2e}")
@@ -148,7 +144,7 @@ def test_hsdp_checkpoint_resumes_on_one_node(hsdp, one_node, tmp_path):
     batch = ["--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
     launch_recipe("llama_lora", "--output_dir", str(tmp_path), "--max_steps", "5", *COMMON, *batch,
                   "--resume_from_checkpoint", str(tmp_path / "checkpoint-3"))  # fmt: skip
-    losses, reference = _losses(tmp_path), _losses(one_node)
+    losses, reference = logged_losses(tmp_path), logged_losses(one_node)
     assert read_json(tmp_path / "fsdp_layout.json")["mesh"]["shape"] == [2]
     worst = _worst_relative_difference(losses, reference, (4, 5))
     print(f"HSDP checkpoint resumed on one node: largest relative loss difference, steps 4-5: {worst:.2e}")

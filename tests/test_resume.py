@@ -17,7 +17,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, read_json
+from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, logged_losses, read_json, run_command
 
 COMMON = [
     "--logging_steps", "1", "--generate_samples", "0", "--generate_eval_samples", "0", "--warmup_steps", "0",
@@ -26,10 +26,6 @@ COMMON = [
 ]  # fmt: skip
 
 pytestmark = pytest.mark.slow
-
-
-def _losses(output_dir) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in read_json(output_dir / "trainer_state.json")["log_history"] if "loss" in e}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,7 @@ def runs(tmp_path_factory, tiny_model_dir):
 
 def test_resumed_run_repeats_the_uninterrupted_losses_and_adapter(runs):
     full, resumed, _ = runs
-    want, got = _losses(full), _losses(resumed)
+    want, got = logged_losses(full), logged_losses(resumed)
     assert sorted(got) == list(range(1, 11))
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
@@ -62,7 +58,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_and_adapter(runs):
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     full, _, one_rank = runs
-    want, got = _losses(full), _losses(one_rank)
+    want, got = logged_losses(full), logged_losses(one_rank)
     assert read_json(one_rank / "fsdp_layout.json")["world_size"] == 1
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
@@ -77,7 +73,7 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
     shutil.rmtree(interrupted / "checkpoint-6")
     launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "10", *COMMON,
                   "--resume_from_checkpoint", str(interrupted / "checkpoint-5"), **fsdp1)  # fmt: skip
-    want, got = _losses(full), _losses(interrupted)
+    want, got = logged_losses(full), logged_losses(interrupted)
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
     reference = load_file(full / "adapter" / "adapter_model.safetensors")
@@ -90,8 +86,6 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
 
 
 def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):
-    from conftest import REPO, run_command
-
     _, interrupted, _ = runs
     checkpoint = interrupted / "checkpoint-5"
     base = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
