@@ -667,15 +667,9 @@ def build(
 
 def _agree(error: str | None) -> None:
     """Wait for every rank; raise the first rank's error on all of them (so none waits forever)."""
-    import torch.distributed as dist
+    from fsdp_peft.fsdp import gathered_from_every_rank
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error:
-            raise ConfigError(error)
-        return
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if first := next((e for e in errors if e), None):
+    if first := next((e for e in gathered_from_every_rank(error) if e), None):
         raise ConfigError(first)
 
 

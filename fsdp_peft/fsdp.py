@@ -104,6 +104,17 @@ def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
     config._validate_accelerator(accelerator)
 
 
+def gathered_from_every_rank(value) -> list:
+    """``value`` of every rank, in rank order (``[value]`` without a process group); collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def unit_name(name: str) -> str:
     """A module or parameter name with FSDP1's wrapper components removed."""
     return name.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")

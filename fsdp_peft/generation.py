@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from fsdp_peft.data import Example, render_example_prompt
-from fsdp_peft.fsdp import is_sharded
+from fsdp_peft.fsdp import gathered_from_every_rank, is_sharded
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,7 @@ def gathered_bytes(unit: torch.nn.Module) -> int:
 
 def _budget_agreed_by_all_ranks(budget: int | None) -> int | None:
     """The smallest budget over the ranks: every rank must keep the same units, or collectives mismatch."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return budget
-    value = torch.tensor([-1 if budget is None else budget], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
-    values = [torch.zeros_like(value) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, value)
-    finite = [int(v.item()) for v in values if v.item() >= 0]
+    finite = [b for b in gathered_from_every_rank(budget) if b is not None]
     return min(finite) if finite else None
 
 

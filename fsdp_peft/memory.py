@@ -15,8 +15,9 @@ import resource
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
+
+from fsdp_peft.fsdp import gathered_from_every_rank
 
 MEMORY_FILE = "memory.json"
 
@@ -117,10 +118,7 @@ class MemoryReport(TrainerCallback):
         if torch.cuda.is_available():
             mine["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
             mine["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        ranks = [mine]
-        if dist.is_available() and dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+        ranks = gathered_from_every_rank(mine)
         if not state.is_world_process_zero:
             return
         report = {"world_size": args.world_size, "measured_after": "first optimizer step", "ranks": ranks}
