@@ -60,11 +60,15 @@ def shipped() -> list[Shipped]:
 
 
 def find_shipped(name: str) -> Shipped:
-    """The recipe or config called ``name`` (``recipes/`` or ``configs/`` prefixes and ``.py`` allowed)."""
+    """The recipe or config called ``name`` (``recipes/`` or ``configs/`` prefixes, ``.py`` and a config's
+    suffix may be left out: ``llama_qlora/tiny`` is ``llama_qlora/tiny.yaml``, as ``tune cp`` reads names)."""
     everything = shipped()
     wanted = name.removeprefix("recipes/").removeprefix("configs/").removesuffix(".py")
     for entry in everything:
         if entry.name == wanted:
+            return entry
+    for entry in everything:
+        if entry.kind == "config" and entry.name.rsplit(".", 1)[0] == wanted:
             return entry
     close = difflib.get_close_matches(wanted, [e.name for e in everything], n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else "run `fsdp-peft ls` for the names"

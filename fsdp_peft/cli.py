@@ -13,6 +13,7 @@ from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES
 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
+ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
 
 
 def _list(args: argparse.Namespace) -> None:
@@ -87,6 +88,7 @@ def _export(args: argparse.Namespace) -> None:
     out = export_merged(
         args.source, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
         base_variant=args.base_variant, overwrite=args.overwrite, verify=args.verify,
+        allow_base_mismatch=args.allow_base_mismatch, force_base_variant=args.force_base_variant,
     )  # fmt: skip
     print(f"merged model written to {out}")
 
@@ -175,6 +177,11 @@ def _add_model_commands(commands) -> None:
         "--base-variant", default="exact", choices=["exact", "nf4"],
         help="merge onto the exact 16-bit base, or onto its NF4 round trip (what QLoRA training saw)",
     )  # fmt: skip
+    export.add_argument(
+        "--force-base-variant", action="store_true",
+        help="with --base-variant nf4: merge an adapter trained on the 16-bit base onto the NF4 round trip anyway",
+    )  # fmt: skip
+    export.add_argument("--allow-base-mismatch", action="store_true", help=ALLOW_BASE_MISMATCH_HELP)
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     export.add_argument("--verify", action="store_true", help="reload the export and compare logits")
     export.set_defaults(run=_export)
@@ -185,6 +192,7 @@ def _add_model_commands(commands) -> None:
         "source", type=Path, help="merged model directory, adapter directory, Trainer checkpoint, or training output_dir"
     )
     generate.add_argument("--base", help="base model for an adapter (hub id or directory); default: the adapter's own")
+    generate.add_argument("--allow-base-mismatch", action="store_true", help=ALLOW_BASE_MISMATCH_HELP)
     prompts = generate.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt(s) to complete")
     prompts.add_argument("--prompts-file", type=Path, metavar="F", help="one prompt per line, or JSONL with 'prompt'")

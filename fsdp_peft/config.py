@@ -23,6 +23,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.yaml_files import load_yaml_file
 from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 
@@ -36,6 +37,12 @@ class RecipeArguments:
 
     model_name_or_path: str = field(
         default=TINY_MODEL_NAME, metadata={"help": f"hub id or local path; '{TINY_MODEL_NAME}' is the embedded model"}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "run the model's own Python code from its hub repo (only for models you trust)"}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "replace the run in output_dir (its checkpoints are removed) instead of refusing"}
     )
     torch_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of the unquantized weights: {DTYPES}"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits with bitsandbytes"})
@@ -112,6 +119,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
+LIST_KEYS = ("lora_target_modules",)
 
 
 def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
@@ -119,10 +127,8 @@ def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         where = f"{included_from[-1]}: include" if included_from else "--config"
         raise ConfigError(f"{where}: file not found: {path}")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    values = load_yaml_file(path)
+    values = {} if values is None else values
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
     valid = set(known_keys())
@@ -191,6 +197,9 @@ def resolve_recipe_config(
     if leftover:
         raise ConfigError(f"command line: unexpected argument '{leftover[0]}'; overrides are written --key value")
     parsed = vars(namespace)
+    for key in LIST_KEYS:
+        if isinstance(parsed.get(key), str):
+            parsed[key] = [parsed[key]]  # `lora_target_modules: all-linear` means a one-item list
     recipe_fields = {f.name for f in dataclasses.fields(RecipeArguments)}
     recipe_args = RecipeArguments(**{k: v for k, v in parsed.items() if k in recipe_fields})
     training_values = {k: v for k, v in parsed.items() if k not in recipe_fields}
@@ -203,8 +212,10 @@ def resolve_recipe_config(
 
 def build_training_arguments(training_values: dict, source: Path) -> TrainingArguments:
     """``TrainingArguments`` from resolved values; its own refusals become `ConfigError`s naming ``source``."""
+    from fsdp_peft.launch import trainer_fsdp_arguments
+
     try:
-        return TrainingArguments(**training_values)
+        return TrainingArguments(**{**training_values, **trainer_fsdp_arguments(training_values)})
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
 

@@ -8,16 +8,30 @@ merges onto the NF4 round trip of the base, the weights a QLoRA adapter was trai
 
 Sources: an adapter directory (PEFT format), a Trainer checkpoint holding sharded FSDP state
 (``pytorch_model_fsdp_0/``), or a training ``output_dir`` (its final ``adapter/``, else its latest
-checkpoint). The output appears only when complete (written beside it, then renamed).
+checkpoint). The output appears only when complete (written beside it, then renamed); staging
+directories of the same output left by a killed export are removed by the next export to it.
+
+An adapter written by fsdp-peft records its base (``fsdp_peft_base.json``: architecture, model_type and
+a fingerprint of the config fields in `BASE_FINGERPRINT_FIELDS`); export and generate refuse another
+base unless ``--allow-base-mismatch`` is given, since tensor names and shapes alone can match across
+architectures.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
+import hashlib
 import json
 import math
+import os
 import re
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -28,6 +42,16 @@ from fsdp_peft.tiny import resolve_model_path
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
+BASE_FILE = "fsdp_peft_base.json"
+# The config fields that decide the base's tensor names and shapes (read where present, from the text
+# config of multimodal models). Not dtype, quantization_config, use_cache, _name_or_path or
+# transformers_version: a 4-bit load or a bf16 copy of a base is the same base.
+BASE_FINGERPRINT_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "num_experts", "num_local_experts", "moe_intermediate_size",
+)  # fmt: skip
+WRITER_LOCK = ".fsdp_peft_writer.lock"
 PEFT_PREFIX = "base_model.model."
 DCP_DIR = "pytorch_model_fsdp_0"
 ADAPTER_SOURCES = (
@@ -45,6 +69,7 @@ class Adapter:
     tensors: dict[str, torch.Tensor]
     origin: Path
     recipe: dict = field(default_factory=dict)
+    base: dict = field(default_factory=dict)  # the base it was trained on (BASE_FILE); empty when not recorded
 
     @property
     def scale(self) -> float:
@@ -110,12 +135,13 @@ def find_adapter(source: Path) -> Adapter:
         tensors = {}
         with safe_open(source / "adapter_model.safetensors", framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        adapter = Adapter(config, tensors, source, _read_json(source / RECIPE_FILE))
+        adapter = Adapter(config, tensors, source, _read_json(source / RECIPE_FILE), _read_json(source / BASE_FILE))
     elif (source / DCP_DIR).is_dir():
         if not (source / "adapter_config.json").is_file():
             raise ConfigError(f"{source}: checkpoint has no adapter_config.json (it was not written by fsdp-peft)")
         config = _read_json(source / "adapter_config.json")
-        adapter = Adapter(config, read_sharded_adapter(source), source, _read_json(source / RECIPE_FILE))
+        recipe, base = _read_json(source / RECIPE_FILE), _read_json(source / BASE_FILE)
+        adapter = Adapter(config, read_sharded_adapter(source), source, recipe, base)
     elif (source / "adapter").is_dir():
         return find_adapter(source / "adapter")
     elif (checkpoint := _latest_checkpoint(source)) is not None:
@@ -170,6 +196,153 @@ def check_adapter_fits_base(deltas: dict, files: dict[str, Path], adapter: Adapt
                 f"adapter {adapter.origin}: '{key}' is {list(shape)} in base {base} but the adapter's "
                 f"B @ A is {[lora_b.shape[0], lora_a.shape[1]]} (wrong --base?)"
             )
+
+
+def tell(line: str) -> None:
+    """Notes and warnings go to stderr, once per job (rank 0): stdout stays the command's output."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def base_config_fields(config) -> dict:
+    """The fields of `BASE_FINGERPRINT_FIELDS` that ``config`` sets, plus its model_type."""
+    text = config.get_text_config()
+    fields = {"model_type": config.model_type}
+    for name in BASE_FINGERPRINT_FIELDS:
+        value = getattr(text, name, None)
+        if isinstance(value, (bool, int, float, str)):
+            fields[name] = value
+    return fields
+
+
+def base_record(config) -> dict:
+    """What an adapter keeps of its base: architecture, model_type, and a hash of the fields that shape it."""
+    fields = base_config_fields(config)
+    fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    return {"architecture": architecture, "model_type": config.model_type, "fingerprint": fingerprint, "fields": fields}
+
+
+def write_base_record(config, directory: Path) -> None:
+    """Record the base an adapter is trained on next to it, so export and generate can check theirs."""
+    (Path(directory) / BASE_FILE).write_text(json.dumps(base_record(config), indent=1, sort_keys=True))
+
+
+def _describe_base(record: dict) -> str:
+    return f"{record.get('architecture') or 'model'} (model_type {record.get('model_type')})"
+
+
+def base_mismatch(trained: dict, given: dict, given_name: str) -> str | None:
+    """How base ``given_name`` (record ``given``) differs from the ``trained`` one, in words; None if the same."""
+    architectures = {trained.get("architecture"), given.get("architecture")}
+    if trained.get("model_type") != given.get("model_type") or (None not in architectures and len(architectures) > 1):
+        return f"a {_describe_base(trained)} base, but {given_name} is a {_describe_base(given)}"
+    if trained.get("fingerprint") == given.get("fingerprint"):
+        return None
+    old, new = trained.get("fields", {}), given.get("fields", {})
+    changed = [f"{key} {old.get(key)} vs {new.get(key)}" for key in sorted(old | new) if old.get(key) != new.get(key)]
+    return (
+        f"another {_describe_base(trained)} than {given_name}: same architecture, different config (trained vs given): "
+        + (", ".join(changed) if changed else f"fingerprint {trained.get('fingerprint')} vs {given.get('fingerprint')}")
+    )
+
+
+def check_trained_base(adapter: Adapter, base_dir: Path, allow_mismatch: bool = False) -> None:
+    """Refuse a base other than the one the adapter was trained on: names and shapes can match across architectures."""
+    from transformers import AutoConfig
+
+    if not adapter.base:
+        tell(f"note: {adapter.origin} has no {BASE_FILE} (older fsdp-peft run or plain peft adapter): "
+             f"its base could not be checked against {base_dir}")  # fmt: skip
+        return
+    if not (base_dir / "config.json").is_file():
+        raise ConfigError(f"--base: {base_dir} has no config.json; pass the model directory the adapter was trained on")
+    problem = base_mismatch(adapter.base, base_record(AutoConfig.from_pretrained(base_dir)), str(base_dir))
+    if problem is None:
+        return
+    problem = f"adapter {adapter.origin} was trained on {problem}"
+    if not allow_mismatch:
+        raise ConfigError(
+            f"--base: {problem}; pass the base it was trained on with --base, "
+            f"or add --allow-base-mismatch to use {base_dir} anyway"
+        )
+    tell(f"warning: --allow-base-mismatch: {problem}; using it anyway, as asked")
+
+
+def trained_on_4bit(adapter: Adapter) -> bool | None:
+    """Whether the adapter's recipe loaded the base in 4 bits (QLoRA); None without a recipe record."""
+    return bool(adapter.recipe.get("load_in_4bit")) if adapter.recipe else None
+
+
+def check_base_variant(adapter: Adapter, base_variant: str, force: bool = False) -> None:
+    """``nf4`` reproduces the weights QLoRA trained against; for a 16-bit adapter it changes the model."""
+    trained_4bit = trained_on_4bit(adapter)
+    if base_variant != "nf4" or trained_4bit:
+        return
+    if trained_4bit is None:
+        tell(f"note: --base-variant nf4: {adapter.origin} has no {RECIPE_FILE}, so whether it was trained on a "
+             "4-bit base is unknown; merging onto the NF4 round trip, as asked")  # fmt: skip
+        return
+    recorded = "load_in_4bit: false" if "load_in_4bit" in adapter.recipe else "no load_in_4bit"
+    problem = f"adapter {adapter.origin} was trained on the 16-bit base (its {RECIPE_FILE} has {recorded})"
+    if not force:
+        raise ConfigError(
+            f"--base-variant nf4: {problem}, so merging it onto NF4 weights changes the model it learned; "
+            "use --base-variant exact, or add --force-base-variant to merge onto the NF4 round trip anyway"
+        )
+    tell(f"warning: --force-base-variant: {problem}; merging it onto the NF4 round trip of the base, as asked")
+
+
+def staging_directories(out: Path) -> list[Path]:
+    """The hidden staging directories `publish_directory` makes for ``out`` (``.<name>.partial.XXXXXXXX``)."""
+    name = re.compile(rf"\.{re.escape(out.name)}\.partial\.[a-z0-9_]{{8}}")
+    candidates = out.parent.glob(f".{glob.escape(out.name)}.partial.*")
+    return sorted(path for path in candidates if name.fullmatch(path.name) and path.is_dir())
+
+
+@contextlib.contextmanager
+def writer_lock(staging: Path) -> Iterator[None]:
+    """Hold an flock in ``staging`` while writing it: the kernel drops it when this process dies, however."""
+    pending = staging / f"{WRITER_LOCK}.{os.getpid()}"
+    with open(pending, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        os.rename(pending, staging / WRITER_LOCK)  # appears already locked: never seen unlocked while alive
+        try:
+            yield
+        finally:
+            (staging / WRITER_LOCK).unlink(missing_ok=True)  # not part of the output
+
+
+def _remove_if_writer_died(staging: Path) -> int | None:
+    """Bytes freed by removing ``staging`` when its writer is dead; None while it lives, or with no writer lock."""
+    try:
+        handle = open(staging / WRITER_LOCK)
+    except OSError:
+        return None  # no lock: an export about to publish, or a directory fsdp-peft did not mark
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        if not staging.is_dir():
+            return None  # another export removed it meanwhile
+        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+        shutil.rmtree(staging)
+        return size
+
+
+def remove_stale_staging(out: Path) -> int:
+    """Remove staging directories of ``out`` left by killed exports (each up to a whole model); bytes freed."""
+    freed = {path.name: _remove_if_writer_died(path) for path in staging_directories(out)}
+    removed = {name: size for name, size in freed.items() if size is not None}
+    total = sum(removed.values())
+    if removed:
+        plural = "directory" if len(removed) == 1 else "directories"
+        tell(f"[fsdp-peft] removed {len(removed)} stale staging {plural} of {out} left by an interrupted export "
+             f"({', '.join(removed)}): freed {total} bytes ({total / 2**20:.1f} MiB)")  # fmt: skip
+    return total
 
 
 def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
@@ -334,6 +507,17 @@ def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: 
                 bar.update()
 
 
+def check_base_is_unquantized(base_dir: Path) -> None:
+    """A merge needs the base's full-precision weights; a pre-quantized checkpoint holds packed 4-bit bytes."""
+    config = _read_json(Path(base_dir) / "config.json")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "quantized")
+        raise ConfigError(
+            f"--base: {base_dir} is a pre-quantized ({method}) checkpoint; merging needs the 16-bit weights: pass "
+            "the 16-bit original with --base (--base-variant nf4 reproduces the 4-bit weights training saw)"
+        )
+
+
 def export_merged(
     source: str | Path,
     out: str | Path,
@@ -344,8 +528,13 @@ def export_merged(
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = True,
+    allow_base_mismatch: bool = False,
+    force_base_variant: bool = False,
 ) -> Path:
-    """Merge the adapter behind ``source`` into its base and write a complete model directory at ``out``."""
+    """Merge the adapter behind ``source`` into its base and write a complete model directory at ``out``.
+
+    Every check runs before anything is written; only then are stale staging directories of ``out`` removed.
+    """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     out = Path(out)
@@ -357,12 +546,16 @@ def export_merged(
         raise ConfigError(f"--out: {out} exists; pass --overwrite to replace it")
     max_bytes = parse_size(max_shard_size)
     adapter = find_adapter(Path(source))
+    check_base_variant(adapter, base_variant, force_base_variant)
     base_dir = resolve_base(adapter, base)
+    check_trained_base(adapter, base_dir, allow_base_mismatch)
+    check_base_is_unquantized(base_dir)
     files = base_tensor_files(base_dir)
     check_adapter_fits_base(adapter.deltas_by_base_key(), files, adapter, base_dir)
     out_dtype = OUTPUT_DTYPES[dtype]
 
-    with publish_directory(out, replace=overwrite) as staging:
+    remove_stale_staging(out)
+    with publish_directory(out, replace=overwrite) as staging, writer_lock(staging):
         writer = StreamingShardWriter(staging, output_layout(files, out_dtype), max_bytes)
         for key, tensor in merged_tensors(files, adapter, base_variant, progress):
             writer.write(key, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
@@ -385,6 +578,24 @@ def export_merged(
     return out
 
 
+def merged_onto(adapter: Adapter, base_variant: str) -> str:
+    """The model card's account of the weights the adapter was merged onto, true to how it was trained."""
+    if base_variant == "exact":
+        return "the exact 16-bit base"
+    trained_4bit = trained_on_4bit(adapter)
+    if trained_4bit:
+        return "the NF4 round trip of the base (what QLoRA training saw)"
+    if trained_4bit is None:
+        return (
+            f"the NF4 round trip of the base, as requested (--base-variant nf4); the adapter has no {RECIPE_FILE}, "
+            "so whether it was trained on a 4-bit base is unknown"
+        )
+    return (
+        "the NF4 round trip of the base, at the user's request (--force-base-variant); the adapter was trained "
+        "on the 16-bit base (load_in_4bit: false), not on these 4-bit weights"
+    )
+
+
 def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) -> str:
     """A README naming base, adapter, recipe config and training summary."""
     config = adapter.config
@@ -394,7 +605,7 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
         f"- base model: `{config.get('base_model_name_or_path') or base_dir}` (read from `{base_dir}`)",
         f"- adapter: `{adapter.origin}`: LoRA r={config['r']}, alpha={config['lora_alpha']}, "
         f"targets {config.get('target_modules')}",
-        f"- merged onto: {'the NF4 round trip of the base (what QLoRA training saw)' if base_variant == 'nf4' else 'the exact 16-bit base'}",
+        f"- merged onto: {merged_onto(adapter, base_variant)}",
         f"- dtype: {dtype}; no quantization config; loads with `AutoModelForCausalLM.from_pretrained`",
     ]
     if adapter.recipe:

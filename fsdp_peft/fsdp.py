@@ -23,10 +23,12 @@ from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import TrainerCallback, TrainingArguments
 
+from fsdp_peft.launch import fsdp_settings
+
 
 def fsdp_requested(args: TrainingArguments) -> bool:
     """Whether the recipe YAML or the accelerate launcher asked for FSDP."""
-    return args.fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return fsdp_settings(args) is not None
 
 
 def cpu_fsdp_requested(args: TrainingArguments) -> bool:

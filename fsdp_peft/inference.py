@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, find_adapter, resolve_base
+from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
 
@@ -50,8 +50,13 @@ def is_merged_model_dir(source: Path) -> bool:
     )
 
 
-def load_for_generation(source: Path, base: str | None, device: torch.device) -> LoadedModel:
-    """Load ``source`` (merged directory or adapter source) on ``device``; `ConfigError` for anything else."""
+def load_for_generation(
+    source: Path, base: str | None, device: torch.device, allow_base_mismatch: bool = False
+) -> LoadedModel:
+    """Load ``source`` (merged directory or adapter source) on ``device``; `ConfigError` for anything else.
+
+    An adapter's recorded base is checked against the one it is loaded onto (`check_trained_base`).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(source)
@@ -71,6 +76,7 @@ def load_for_generation(source: Path, base: str | None, device: torch.device) ->
             raise ConfigError(f"SOURCE: {source} is none of: {MERGED_SOURCE}, {ADAPTER_SOURCES}") from None
         raise
     base_dir = resolve_base(adapter, base)
+    check_trained_base(adapter, base_dir, allow_base_mismatch)
     known = {f.name for f in dataclasses.fields(RecipeArguments)}
     recipe = RecipeArguments(**{k: v for k, v in adapter.recipe.items() if k in known})
     recipe.model_name_or_path = str(base_dir)
@@ -145,7 +151,7 @@ def run_generate(args) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     set_seed(args.seed)
-    loaded = load_for_generation(args.source, args.base, device)
+    loaded = load_for_generation(args.source, args.base, device, args.allow_base_mismatch)
     if world > 1:
         shard_for_generation(loaded.model, device)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -18,32 +18,29 @@ broadcasts, and it skips the path entirely when bitsandbytes ``Params4bit`` are 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.launch import fsdp_settings, ranks
 
-PENDING = "_fsdp_peft_pending_checkpoint"  # set on a skeleton model: where its weights will come from
+PENDING = "_fsdp_peft_pending_checkpoint"
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names  # set on a skeleton model: where its weights will come from
 
 
-def low_memory_loading_requested() -> bool:
-    """FSDP2 with ``cpu_ram_efficient_loading`` on several processes (both the accelerate and YAML routes).
+def low_memory_loading_requested(training=None) -> bool:
+    """FSDP2 with ``cpu_ram_efficient_loading`` on several processes, from any FSDP route.
 
-    transformers' `TrainingArguments` exports ``FSDP_CPU_RAM_EFFICIENT_LOADING`` from ``fsdp_config``; the
-    accelerate launcher exports it with ``ACCELERATE_USE_FSDP`` and ``FSDP_VERSION``.
+    ``training``: the run's `TrainingArguments` (or their values) when the recipe may set ``fsdp_config``;
+    without it only the accelerate launcher's settings count.
     """
-    env = os.environ
-    if env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() not in ("1", "true", "yes"):
-        return False
-    launcher = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    version = env.get("FSDP_VERSION", "1") if launcher else "2"  # the YAML route's default is FSDP2
-    return version == "2" and int(env.get("WORLD_SIZE", "1")) > 1
+    settings = fsdp_settings(training if training is not None else {})
+    return bool(settings and settings.version == 2 and settings.cpu_ram_efficient_loading and ranks().world_size > 1)
 
 
-def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None):
+def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None, trust_remote_code: bool = False):
     """The model ``from_pretrained(path, dtype, quantization_config)`` builds, with weights on meta.
 
     Non-persistent buffers (rotary frequencies) are real: they are computed, not loaded. 4-bit layers get
@@ -52,9 +49,9 @@ def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # from_pretrained ties once loaded; FSDP must see the tied weight as one
     if quantization is not None:
         _quantize_skeleton(model, quantization, dtype)
@@ -159,7 +156,8 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
         raise ConfigError(box[0])
     by_file: dict[Path, list[str]] = box[0]
 
-    modules = dict(model.named_modules())
+    # state-dict names omit the wrapper FSDP's activation checkpointing inserts; module names do not
+    modules = {name.replace(CHECKPOINT_WRAPPER, ""): module for name, module in model.named_modules()}
     loaded: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         stream = read_tensors(file, [checkpoint_key(n) for n in names]) if rank == 0 else None

@@ -26,8 +26,9 @@ def load_tokenizer(recipe: RecipeArguments):
     from transformers import AutoConfig
 
     path = resolve_model_path(recipe.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    family = family_for(AutoConfig.from_pretrained(path).model_type)
+    remote = recipe.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    family = family_for(AutoConfig.from_pretrained(path, trust_remote_code=remote).model_type)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = pad_token_for(tokenizer, family)
     if recipe.use_chat_template and not tokenizer.chat_template:
@@ -51,7 +52,7 @@ def quantization_config(recipe: RecipeArguments) -> BitsAndBytesConfig | None:
     )
 
 
-def load_base_model(recipe: RecipeArguments) -> PreTrainedModel:
+def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None = None) -> PreTrainedModel:
     """Load the base model on this rank's device through the ordinary ``from_pretrained`` path.
 
     Under FSDP2 with ``cpu_ram_efficient_loading`` it is a weightless skeleton instead: the weights
@@ -60,15 +61,18 @@ def load_base_model(recipe: RecipeArguments) -> PreTrainedModel:
     from fsdp_peft.loading import low_memory_loading_requested, model_skeleton
 
     device = local_device()
-    if low_memory_loading_requested():
+    if low_memory_loading_requested(training):
         path = resolve_model_path(recipe.model_name_or_path)
-        model = model_skeleton(path, getattr(torch, recipe.torch_dtype), quantization_config(recipe))
+        model = model_skeleton(
+            path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(
             resolve_model_path(recipe.model_name_or_path),
             dtype=getattr(torch, recipe.torch_dtype),
             quantization_config=quantization_config(recipe),
             device_map={"": device},
+            trust_remote_code=recipe.trust_remote_code,
         )
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)

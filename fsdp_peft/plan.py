@@ -132,7 +132,7 @@ def meta_peft_model(model_config, recipe):
     from fsdp_peft.families import family_for, lora_targets
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=recipe.trust_remote_code)
         lora = LoraConfig(
             r=recipe.lora_r,
             lora_alpha=recipe.lora_alpha,
@@ -228,7 +228,7 @@ def activation_bytes(model_config, recipe, tokens: int, compute_bytes: int, chec
     return body + logits
 
 
-def load_model_config(name: str):
+def load_model_config(name: str, trust_remote_code: bool = False):
     """The model's config only: embedded tiny models, local directories, or hub ids (downloaded config)."""
     from transformers import AutoConfig
 
@@ -236,11 +236,11 @@ def load_model_config(name: str):
 
     path = resolve_model_path(name)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         pass  # not on this machine: ask the hub
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
@@ -259,7 +259,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     from pathlib import Path
 
     from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.validation import fsdp_settings, mixed_precision_dtype
+    from fsdp_peft.launch import fsdp_settings
+    from fsdp_peft.validation import mixed_precision_dtype
 
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -276,7 +277,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     mixed = mixed_precision_dtype(training)
     compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
     gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
-    model_config = load_model_config(recipe.model_name_or_path)
+    model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")

@@ -108,16 +108,17 @@ def register_generate(model: torch.nn.Module) -> None:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if not isinstance(model, FSDP) or "generate" in vars(model):
+    root = getattr(model, "_orig_mod", model)  # under torch_compile, FSDP1 wraps the compiled module's original
+    if not isinstance(root, FSDP) or "generate" in vars(root):
         return
-    inner_generate = model.module.generate
+    inner_generate = root.module.generate
 
     @functools.wraps(inner_generate)
     def generate(*args, **kwargs):
-        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+        with FSDP.summon_full_params(root, recurse=False, writeback=False):
             return inner_generate(*args, **kwargs)
 
-    model.generate = generate
+    root.generate = generate
 
 
 def shard_for_generation(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -23,15 +23,18 @@ from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.export import export_merged
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
+from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 
 
 @exits_cleanly_on_user_error
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
+    die_with_the_launcher()
     try:
         return _run_recipe(name, default_config, argv)
     finally:
+        release_output_dir()
         release_process_group()
 
 
@@ -53,14 +56,21 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
     if training.include_num_input_tokens_seen == "no":
         training.include_num_input_tokens_seen = "non_padding"  # the summary reports the tokens trained on
+    if recipe.trust_remote_code and training.process_index == 0:
+        print(
+            f"[fsdp-peft] trust_remote_code: true: running Python code from the repository of "
+            f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust",
+            flush=True,
+        )
+    run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
     checkpoint = resume_point(training)
     if checkpoint is not None:
-        check_resumable(Path(checkpoint), training)
+        check_resumable(Path(checkpoint), training, run.run_id)
         if training.process_index == 0:
             print(f"[fsdp-peft] resuming from {checkpoint}", flush=True)
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
-    model = attach_lora(load_base_model(recipe), recipe, training)
+    model = attach_lora(load_base_model(recipe, training), recipe, training)
     if recipe.packing:
         check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
     train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
@@ -76,6 +86,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
         callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
         recipe_config=dataclasses.asdict(recipe),
+        run_id=run.run_id,
     )
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)

@@ -25,6 +25,7 @@ from fsdp_peft.fsdp import (
     skip_sync_module_states,
     unit_name,
 )
+from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
@@ -117,11 +118,13 @@ class PeftFsdpTrainer(Trainer):
         *args,
         fsdp_reduce_dtype: torch.dtype = torch.float32,
         recipe_config: dict | None = None,
+        run_id: str | None = None,
         callbacks=None,
         **kwargs,
     ):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
         self.recipe_config = recipe_config or {}
+        self.run_id = run_id
         # The layout report goes last: its forward hooks should only see training forwards.
         super().__init__(*args, callbacks=[*(callbacks or []), MemoryReport(), FsdpLayoutReport()], **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
@@ -169,7 +172,8 @@ class PeftFsdpTrainer(Trainer):
             self._get_output_dir = original
         if self.args.should_save:
             write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging_run / name)
-            (staging_run / name / LAYOUT_FILE).write_text(json.dumps(run_layout(self.args), indent=1))
+            layout = {**run_layout(self.args), "run_id": self.run_id}
+            (staging_run / name / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if final.exists():
@@ -197,6 +201,13 @@ class PeftFsdpTrainer(Trainer):
         with _fsdp1_adapter_checkpoints(self.trainable_parameter_names, adapter):
             return super().train(*args, **kwargs)
 
+    def _run_epoch(self, *args, **kwargs):
+        """Nothing left to train (resumed from a checkpoint at ``max_steps``): Trainer would take one more step."""
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Save the trained adapter in PEFT format, gathered from all shards; collective on every rank.
 
@@ -221,12 +232,8 @@ LAYOUT_FILE = "fsdp_peft_layout.json"
 
 def run_layout(args) -> dict:
     """What a sharded checkpoint depends on: world size, global batch (data position), FSDP version."""
-    if args.fsdp_plugin_args is not None:
-        version = int(args.fsdp_plugin_args["fsdp_version"])
-    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        version = int(os.environ.get("FSDP_VERSION", "1"))
-    else:
-        version = None
+    settings = fsdp_settings(args)
+    version = settings.version if settings is not None else None
     world, per_device, accumulation = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
     return {
         "world_size": world,
@@ -245,7 +252,7 @@ def _describe(layout: dict) -> str:
     )
 
 
-def check_resumable(checkpoint: Path, args) -> None:
+def check_resumable(checkpoint: Path, args, run_id: str | None = None) -> None:
     """Refuse, before any weights load, a resume that cannot continue the run exactly.
 
     Another world size is fine (FSDP2 sharded state is resharded on load) as long as the global batch
@@ -258,6 +265,12 @@ def check_resumable(checkpoint: Path, args) -> None:
     if not (checkpoint / LAYOUT_FILE).is_file():
         return  # not written by fsdp-peft: Trainer's own checks apply
     saved, current = json.loads((checkpoint / LAYOUT_FILE).read_text()), run_layout(args)
+    auto = str(args.resume_from_checkpoint).lower() in ("auto", "true")
+    if auto and run_id and saved.get("run_id") not in (None, run_id):
+        raise ConfigError(
+            f"resume_from_checkpoint: auto: {checkpoint} belongs to run {saved['run_id']}, not to this run ({run_id}) "
+            "recorded in its output_dir; name the checkpoint to resume it explicitly, or choose another output_dir"
+        )
     where = f"resume_from_checkpoint: {checkpoint} was written with {_describe(saved)}; this run has {_describe(current)}"
     if saved["fsdp_version"] != current["fsdp_version"]:
         wanted = f"FSDP{saved['fsdp_version']} (e.g. configs/accelerate/cpu_fsdp{saved['fsdp_version']}.yaml)"
@@ -285,11 +298,13 @@ def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Pa
 
 
 def write_adapter_metadata(peft_model, recipe_config: dict, directory: Path) -> None:
-    """``adapter_config.json`` and the recipe config, next to adapter weights (final or sharded)."""
-    from fsdp_peft.export import RECIPE_FILE
+    """``adapter_config.json``, the recipe config and the base's record, next to adapter weights (final or
+    sharded): what export and generate need to rebuild, and check, the model it was trained as."""
+    from fsdp_peft.export import RECIPE_FILE, write_base_record
 
     peft_model.peft_config[peft_model.active_adapter].save_pretrained(directory)
     (directory / RECIPE_FILE).write_text(json.dumps(recipe_config, indent=1, sort_keys=True, default=str))
+    write_base_record(peft_model.get_base_model().config, directory)
 
 
 def gather_trainable_state_dict(

@@ -6,17 +6,20 @@ Each rule is a small function returning a problem message (key, value, rule, fix
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers import TrainingArguments
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
+from fsdp_peft.keys import field_types, key_problems, unknown_choice
+from fsdp_peft.launch import FsdpSettings, fsdp_settings, launcher_asks_for_fsdp, ranks
 from fsdp_peft.tiny import TINY_DATASET_NAME
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
@@ -26,65 +29,21 @@ GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
 
 
 def fsdp_in_use(training: dict) -> bool:
-    """FSDP is on when the YAML sets ``fsdp`` or the accelerate launcher's config says FSDP."""
-    return bool(training.get("fsdp")) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    """FSDP is on when the recipe sets ``fsdp`` or the accelerate launcher's config says FSDP."""
+    return _settings(training) is not None or launcher_asks_for_fsdp()
 
 
-@dataclass
-class FsdpSettings:
-    """The FSDP plugin settings that rules need, as they will be resolved, without building the plugin."""
-
-    version: int
-    auto_wrap_policy: str
-    state_dict_type: str
-    use_orig_params: bool
-    offload_params: bool
-    activation_checkpointing: bool
-    cpu_ram_efficient_loading: bool
+def _settings(training: dict) -> FsdpSettings | None:
+    """The run's FSDP settings for the rules; ``None`` also when they do not resolve (`_fsdp_settings_resolve`
+    reports that)."""
+    try:
+        return fsdp_settings(training)
+    except ConfigError:
+        return None
 
 
 def _truthy(value) -> bool:
     return str(value).lower() in ("1", "true", "yes")
-
-
-def _yaml_fsdp_config(training: dict) -> dict:
-    config = training.get("fsdp_config") or {}
-    if isinstance(config, str):
-        text = Path(config).read_text() if Path(config).is_file() else config
-        config = json.loads(text)
-    return {key.removeprefix("fsdp_"): value for key, value in config.items()}
-
-
-def fsdp_settings(training: dict) -> FsdpSettings | None:
-    """Resolve FSDP settings from ``fsdp``/``fsdp_config`` (YAML route) or ``FSDP_*`` (accelerate route).
-
-    Defaults follow each route's own: transformers for the YAML, accelerate for the launcher.
-    """
-    if training.get("fsdp"):
-        config = _yaml_fsdp_config(training)
-        fsdp = training["fsdp"] if isinstance(training["fsdp"], str) else " ".join(map(str, training["fsdp"]))
-        return FsdpSettings(
-            version=int(config.get("version", 2)),
-            auto_wrap_policy=str(config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper(),
-            state_dict_type=str(config.get("state_dict_type", "FULL_STATE_DICT")).upper(),
-            use_orig_params=_truthy(config.get("use_orig_params", "true")),
-            offload_params=_truthy(config.get("cpu_offload", False)) or "offload" in fsdp,
-            activation_checkpointing=_truthy(config.get("activation_checkpointing", False)),
-            cpu_ram_efficient_loading=_truthy(config.get("cpu_ram_efficient_loading", False)),
-        )
-    if not fsdp_in_use(training):
-        return None
-    env = os.environ
-    version = int(env.get("FSDP_VERSION", "1"))
-    return FsdpSettings(
-        version=version,
-        auto_wrap_policy=env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper(),
-        state_dict_type=env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT" if version == 1 else "SHARDED_STATE_DICT"),
-        use_orig_params=_truthy(env.get("FSDP_USE_ORIG_PARAMS", "false")),
-        offload_params=_truthy(env.get("FSDP_OFFLOAD_PARAMS", "false")),
-        activation_checkpointing=_truthy(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")),
-        cpu_ram_efficient_loading=_truthy(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")),
-    )
 
 
 def mixed_precision_dtype(training: dict) -> str | None:
@@ -106,9 +65,17 @@ def _dtype_keys_are_known(recipe, training) -> str | None:
     for key in ("torch_dtype", "bnb_4bit_compute_dtype", "fsdp_reduce_dtype"):
         value = getattr(recipe, key)
         if value not in FLOATING_DTYPES:
-            return f"{key}: '{value}' is not one of {', '.join(FLOATING_DTYPES)}"
+            return unknown_choice(key, value, FLOATING_DTYPES)
     if recipe.export_dtype not in OUTPUT_DTYPES:
-        return f"export_dtype: '{recipe.export_dtype}' is not one of {', '.join(OUTPUT_DTYPES)}"
+        return unknown_choice("export_dtype", recipe.export_dtype, tuple(OUTPUT_DTYPES))
+    return None
+
+
+def _fsdp_settings_resolve(recipe, training) -> str | None:
+    try:
+        fsdp_settings(training)
+    except ConfigError as error:
+        return str(error)
     return None
 
 
@@ -183,6 +150,32 @@ def _local_model_path_exists(recipe, training) -> str | None:
     return None
 
 
+def _model_config_is_a_causal_lm(recipe, training) -> str | None:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from fsdp_peft.tiny import resolve_model_path
+
+    name = recipe.model_name_or_path
+    try:
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(name), local_files_only=True, trust_remote_code=recipe.trust_remote_code
+        )
+    except OSError:
+        return None  # not on this machine yet: loading it will tell
+    except ValueError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        remote = "" if recipe.trust_remote_code else " (if its code lives in its hub repo: trust_remote_code: true)"
+        return f"model_name_or_path: the config of {name} does not load: {reason}{remote}"
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not custom:
+        return (
+            f"model_name_or_path: {name} is a '{config.model_type}' model, which has no causal language model head "
+            "in transformers; the recipes fine-tune decoder-only (causal) language models"
+        )
+    return None
+
+
 def _positive_sizes(recipe, training) -> str | None:
     for key in ("lora_r", "max_seq_length", "generate_max_new_tokens", "generate_batch_size"):
         if getattr(recipe, key) <= 0:
@@ -207,7 +200,8 @@ def _gather_budget_is_a_size(recipe, training) -> str | None:
 
 
 def _fsdp_needs_several_processes(recipe, training) -> str | None:
-    if training.get("fsdp") and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    settings = _settings(training)
+    if settings is not None and "recipe" in settings.route and ranks().world_size < 2:
         return (
             "fsdp: set in the config, but this is a single process; launch with "
             "`accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml ...` (or a GPU config), "
@@ -217,17 +211,83 @@ def _fsdp_needs_several_processes(recipe, training) -> str | None:
 
 
 def _one_activation_checkpointing(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
-    if settings and settings.activation_checkpointing and training.get("gradient_checkpointing"):
+    settings = _settings(training)
+    for key in ("gradient_checkpointing", "activation_checkpointing"):  # transformers 5: two names, one switch
+        if settings and settings.activation_checkpointing and training.get(key):
+            return (
+                f"{key}: true together with FSDP's own activation_checkpointing checkpoints every "
+                f"layer twice (and Trainer refuses it late); keep one: set {key}: false"
+            )
+    return None
+
+
+def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
+    settings = _settings(training)
+    cpu_mode = not torch.accelerator.is_available()
+    if settings and settings.version == 1 and settings.reshard_after_forward.startswith("hybrid") and cpu_mode:
         return (
-            "gradient_checkpointing: true together with FSDP's own activation_checkpointing checkpoints every "
-            "layer twice (and Trainer refuses it late); keep one: set gradient_checkpointing: false"
+            f"fsdp: {settings.reshard_after_forward} under FSDP1 shards within a node by its GPU count; in the CPU "
+            "mode every rank would keep a full copy (measured: 0 parameters sharded); use full_shard"
+        )
+    return None
+
+
+def checkpoint_quantization(name: str) -> dict | None:
+    """The ``quantization_config`` a local checkpoint was saved with (a pre-quantized base), else ``None``."""
+    from fsdp_peft.tiny import resolve_model_path
+
+    config = Path(resolve_model_path(name)).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("quantization_config")
+    except (ValueError, AttributeError):
+        return None
+
+
+BNB_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+
+
+def _prequantized_base_is_trainable(recipe, training) -> str | None:
+    saved = checkpoint_quantization(recipe.model_name_or_path)
+    if not saved:
+        return None
+    name, method = recipe.model_name_or_path, saved.get("quant_method")
+    if method != "bitsandbytes" or not saved.get("load_in_4bit"):
+        kind = "8-bit bitsandbytes" if method == "bitsandbytes" else f"{method}-quantized"
+        return (
+            f"model_name_or_path: {name} is a {kind} checkpoint; fsdp-peft trains on 16-bit bases or bitsandbytes "
+            "4-bit ones: point it at the 16-bit original (with load_in_4bit: true for QLoRA)"
+        )
+    if not recipe.load_in_4bit:
+        return (
+            f"model_name_or_path: {name} is a pre-quantized bitsandbytes 4-bit checkpoint; set load_in_4bit: true "
+            "(or point it at the 16-bit original for LoRA)"
+        )
+    storage = str(saved.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
+    if storage not in FLOATING_DTYPES and fsdp_in_use(training):
+        return (
+            f"model_name_or_path: {name} stores its 4-bit weights as {storage}, which FSDP cannot shard; quantize "
+            "the 16-bit original on load instead (model_name_or_path: the original, load_in_4bit: true)"
+        )
+    for key in BNB_KEYS:
+        want = str(saved.get(key, "")).removeprefix("torch.")
+        if want and str(getattr(recipe, key)) != want:
+            return (
+                f"{key}: '{getattr(recipe, key)}' differs from the pre-quantized checkpoint {name} ('{want}'), "
+                f"whose own settings transformers uses; set {key}: {want}"
+            )
+    settings = _settings(training)
+    if settings and settings.cpu_ram_efficient_loading:
+        return (
+            f"cpu_ram_efficient_loading: low-memory loading quantizes a 16-bit checkpoint as it reads it, and "
+            f"{name} is already 4-bit; set cpu_ram_efficient_loading: false"
         )
     return None
 
 
 def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
+    settings = _settings(training)
     if settings and training.get("save_only_model") and "SHARDED" in settings.state_dict_type:
         return (
             "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT (Trainer refuses it); "
@@ -237,7 +297,7 @@ def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
 
 
 def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
+    settings = _settings(training)
     if settings and settings.version == 1 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
         mixing = "" if settings.use_orig_params else " with use_orig_params: false"
         return (
@@ -254,7 +314,7 @@ def _save_strategy(training: dict) -> str:
 
 
 def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
+    settings = _settings(training)
     strategy = _save_strategy(training)
     if settings and settings.version == 1 and strategy != "no" and "SHARDED" not in settings.state_dict_type:
         return (
@@ -266,7 +326,7 @@ def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
 
 
 def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
+    settings = _settings(training)
     optimizer = str(training.get("optim") or "adamw_torch")
     if settings and settings.offload_params and any(mark in optimizer for mark in GPU_ONLY_OPTIMIZER_MARKS):
         return (
@@ -277,7 +337,7 @@ def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
 
 
 def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
-    settings = fsdp_settings(training)
+    settings = _settings(training)
     cpu_mode = not torch.accelerator.is_available()
     if settings and settings.version == 1 and settings.cpu_ram_efficient_loading and cpu_mode:
         return (
@@ -320,16 +380,20 @@ def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
 
 
 RULES: list[Callable] = [
+    _fsdp_settings_resolve,
     _dtype_keys_are_known,
     _quant_storage_is_floating_under_fsdp,
     _quant_storage_matches_gather_dtype,
     _data_files_exist,
     _data_settings_are_known,
     _local_model_path_exists,
+    _model_config_is_a_causal_lm,
     _positive_sizes,
     _gather_budget_is_a_size,
     _fsdp_needs_several_processes,
     _one_activation_checkpointing,
+    _hybrid_shard_shards_in_the_cpu_mode,
+    _prequantized_base_is_trainable,
     _save_only_model_needs_full_state_dict,
     _fsdp1_units_keep_adapters_apart,
     _fsdp1_checkpoints_are_sharded,
@@ -356,11 +420,16 @@ def model_structure_problems(recipe) -> list[str]:
 
     name = recipe.model_name_or_path
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(name), local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(name), local_files_only=True, trust_remote_code=recipe.trust_remote_code
+        )
     except (OSError, ValueError):
-        return []  # not downloaded yet: loading it will tell
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return []  # not downloaded yet, or refused by `_model_config_is_a_causal_lm`
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    except ValueError:
+        return []  # not a causal LM: `_model_config_is_a_causal_lm` says so
     problems = []
     targets = lora_targets(recipe.lora_target_modules, family_for(config.model_type))
     if targets != "all-linear":
@@ -380,7 +449,14 @@ def model_structure_problems(recipe) -> list[str]:
 
 def check_before_training(recipe, training: dict, with_model_structure: bool = False) -> None:
     """Raise one `ConfigError` listing every problem (one per line); ``with_model_structure`` also
-    checks the model's architecture (`model_structure_problems`)."""
+    checks the model's architecture (`model_structure_problems`).
+
+    Types, ranges and choices of single keys come first: the rules combine keys and assume well-formed ones.
+    """
+    values = {**dataclasses.asdict(recipe), **training}
+    problems = key_problems(values, field_types(type(recipe), TrainingArguments))
+    if problems:
+        raise ConfigError("\n       ".join(problems))
     problems = config_problems(recipe, training) + (model_structure_problems(recipe) if with_model_structure else [])
     if problems:
         raise ConfigError("\n       ".join(problems))

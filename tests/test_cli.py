@@ -88,3 +88,13 @@ def test_validate_names_a_missing_accelerate_config(tmp_path, capsys):
         main(["validate", str(REPO / "configs" / "qwen_qlora" / "tiny.yaml"), "--accelerate-config", str(tmp_path / "x")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: --accelerate-config: file not found: {tmp_path / 'x'}"
+
+
+def test_cp_takes_a_config_name_without_its_suffix_as_tune_cp_does(tmp_path, capsys):
+    from fsdp_peft.cli import main
+
+    main(["cp", "llama_qlora/tiny", str(tmp_path / "mine.yaml")])
+    assert (tmp_path / "mine.yaml").read_bytes() == (REPO / "configs" / "llama_qlora" / "tiny.yaml").read_bytes()
+    assert capsys.readouterr().out.strip() == f"copied llama_qlora/tiny to {tmp_path / 'mine.yaml'}"
+    main(["cp", "llama_qlora/tiny", str(tmp_path)])
+    assert (tmp_path / "tiny.yaml").is_file()

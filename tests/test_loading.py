@@ -89,7 +89,10 @@ def test_low_memory_loading_is_asked_for_by_fsdp2_cpu_ram_efficient_loading_on_s
     assert not requested(FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_VERSION="1", **launcher)
     assert not requested(FSDP_CPU_RAM_EFFICIENT_LOADING="false", FSDP_VERSION="2", **launcher)
     assert not requested(FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_VERSION="2", **{**launcher, "WORLD_SIZE": "1"})
-    assert requested(FSDP_CPU_RAM_EFFICIENT_LOADING="true", WORLD_SIZE="2")  # YAML route: FSDP2 by default
+    recipe_route = {"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}}  # FSDP2 by default
+    assert not requested(WORLD_SIZE="2")
+    assert low_memory_loading_requested(recipe_route)
+    assert not low_memory_loading_requested({**recipe_route, "fsdp_config": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"}})
 
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])

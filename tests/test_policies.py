@@ -48,3 +48,14 @@ def test_fsdp1_policy_wraps_layers_adapter_leaves_and_untied_embeddings_only(pef
         "base_model.model.lm_head",
     }
     assert not any(n.endswith(("base_layer", "q_proj", "norm")) for n in wrapped)  # frozen leaves stay in their layer
+
+
+@pytest.mark.slow
+def test_fsdp1_generate_is_registered_behind_torch_compile(tiny_model_dir):
+    """torch_compile wraps the FSDP1 root in an OptimizedModule; generate must still gather the root's weights
+    (unregistered, the CPU recipe run crashed with SIGSEGV in its first generate: measured 3 of 3)."""
+    from conftest import REPO, last_json_line, torchrun
+
+    report = last_json_line(torchrun(REPO / "tests" / "distributed" / "compiled_generate_check.py").stdout)
+    assert report["registered"] is True
+    assert report["sharded"] == report["reference"] and len(report["reference"]) == 6 + 8

@@ -7,7 +7,8 @@ import pytest
 from conftest import REPO
 from fsdp_peft.config import parse_recipe_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.validation import RULES, fsdp_settings
+from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.validation import RULES
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -15,6 +16,22 @@ ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AU
 ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 CASES = {
+    "_model_config_is_a_causal_lm": (
+        LORA_TINY, {}, ["--model_name_or_path", "{t5_model}"],
+        "model_name_or_path: {t5_model} is a 't5' model, which has no causal language model head in transformers",
+    ),
+    "_hybrid_shard_shards_in_the_cpu_mode": (
+        LORA_TINY, {"WORLD_SIZE": "2"}, ["--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", '{"version": 1}'],
+        "fsdp: hybrid_shard under FSDP1 shards within a node by its GPU count; in the CPU mode every rank",
+    ),
+    "_prequantized_base_is_trainable": (
+        LORA_TINY, {}, ["--model_name_or_path", "{prequantized}"],
+        "model_name_or_path: {prequantized} is a pre-quantized bitsandbytes 4-bit checkpoint; set load_in_4bit: true",
+    ),
+    "_fsdp_settings_resolve": (
+        LORA_TINY, ACCELERATE_FSDP1, ["--fsdp", "true", "--fsdp_config", '{"version": 2}'],
+        "fsdp_config: version is 2 in the recipe but 1 in the accelerate config (FSDP_VERSION); make them agree",
+    ),
     "_quant_storage_is_floating_under_fsdp": (
         QLORA_TINY, ACCELERATE_FSDP2, ["--bnb_4bit_quant_storage", "uint8"],
         "bnb_4bit_quant_storage: 'uint8' cannot be sharded by FSDP; set it to bfloat16 (the FSDP gather dtype)",
@@ -74,13 +91,42 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
+    """Model directories the rules refuse: an encoder-decoder config, a pre-quantized 4-bit tiny-llama."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    root = tmp_path_factory.mktemp("odd_models")
+    (root / "t5").mkdir()
+    (root / "t5" / "config.json").write_text('{"model_type": "t5", "d_model": 64, "num_layers": 1}')
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
+    model.save_pretrained(root / "prequantized")
+    return {"t5_model": str(root / "t5"), "prequantized": str(root / "prequantized")}
+
+
+def test_a_prequantized_4bit_base_validates_with_its_own_settings(odd_models, tmp_path, monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    argv = ["--config", str(QLORA_TINY), "--output_dir", str(tmp_path), "--model_name_or_path", odd_models["prequantized"]]
+    recipe, _ = parse_recipe_config(argv, QLORA_TINY, str(tmp_path))
+    assert recipe.load_in_4bit
+    with pytest.raises(ConfigError, match="bnb_4bit_quant_type: 'fp4' differs from the pre-quantized checkpoint"):
+        parse_recipe_config([*argv, "--bnb_4bit_quant_type", "fp4"], QLORA_TINY, str(tmp_path))
+
+
 def test_every_rule_has_a_case():
     assert sorted(rule.__name__ for rule in RULES) == sorted(CASES)
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
-def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_path):
+def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_path, odd_models):
     config, env, argv, message = CASES[rule]
+    placeholders = {"{" + name + "}": path for name, path in odd_models.items()}
+    for placeholder, path in placeholders.items():
+        argv, message = [a.replace(placeholder, path) for a in argv], message.replace(placeholder, path)
     for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
         monkeypatch.delenv(key)
     for key, value in env.items():

@@ -1,0 +1,207 @@
+"""Type, range and choice of every config key, checked the same way wherever the value came from.
+
+A recipe config holds the project's keys (`fsdp_peft.config.RecipeArguments`) and every
+``TrainingArguments`` field. YAML hands values over as it parsed them and the command line as argparse
+converted them, so each value is checked here against its field's type, its numeric range and, for
+enumerated keys, the values the installed libraries accept (with the closest one suggested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
+from enum import Enum
+from typing import Any, Callable, Union
+
+from transformers import HfArgumentParser, TrainingArguments
+from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
+from transformers.training_args import OptimizerNames
+
+SKIPPED_TYPE_CHECK = ("fsdp", "fsdp_config", "parallelism_config")  # `fsdp_peft.launch` reads the FSDP keys
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "lr_scheduler_type": tuple(e.value for e in SchedulerType),
+    "optim": tuple(e.value for e in OptimizerNames),
+    "eval_strategy": tuple(e.value for e in IntervalStrategy),
+    "logging_strategy": tuple(e.value for e in IntervalStrategy),
+    "save_strategy": tuple(e.value for e in SaveStrategy),
+    "hub_strategy": tuple(e.value for e in HubStrategy),
+    "log_level": LOG_LEVELS,
+    "log_level_replica": LOG_LEVELS,
+    "bnb_4bit_quant_type": ("nf4", "fp4"),
+    "bnb_4bit_quant_storage": ("bfloat16", "float16", "float32", "uint8", "int8"),
+}
+
+
+def _at_least(bound: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v >= bound), f"at least {bound:g}"
+
+
+def _above(bound: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v > bound), f"above {bound:g}"
+
+
+def _fraction(closed_top: bool = False) -> tuple[Callable[[float], bool], str]:
+    if closed_top:
+        return (lambda v: 0 <= v <= 1), "in [0, 1]"
+    return (lambda v: 0 <= v < 1), "in [0, 1)"
+
+
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lora_alpha": _above(0),
+    "lora_dropout": _fraction(),
+    "per_device_train_batch_size": _at_least(1),
+    "per_device_eval_batch_size": _at_least(1),
+    "gradient_accumulation_steps": _at_least(1),
+    "max_steps": ((lambda v: v == -1 or v >= 1), "-1 (train num_train_epochs) or at least 1"),
+    "num_train_epochs": _above(0),
+    "learning_rate": _above(0),
+    "warmup_steps": _at_least(0),
+    "weight_decay": _at_least(0),
+    "adam_beta1": _fraction(),
+    "adam_beta2": _fraction(),
+    "adam_epsilon": _above(0),
+    "max_grad_norm": _at_least(0),
+    "label_smoothing_factor": _fraction(),
+    "logging_steps": _above(0),
+    "save_steps": _above(0),
+    "eval_steps": _above(0),
+    "eval_delay": _at_least(0),
+    "save_total_limit": _at_least(1),
+    "seed": _at_least(0),
+    "data_seed": _at_least(0),
+    "dataloader_num_workers": _at_least(0),
+    "dataloader_prefetch_factor": _at_least(1),
+    "eval_accumulation_steps": _at_least(1),
+    "torch_empty_cache_steps": _at_least(1),
+    "neftune_noise_alpha": _above(0),
+    "ddp_timeout": _at_least(1),
+}
+RANGE_HINTS = {
+    "learning_rate": "e.g. 2e-4 for LoRA",
+    "max_steps": "or remove it to train num_train_epochs",
+    "lora_dropout": "e.g. 0.05",
+    "warmup_steps": "a step count, or a fraction of the steps below 1",
+}
+
+
+def field_types(*classes) -> dict[str, Any]:
+    """``{key: type hint}`` of the init fields of the given dataclasses."""
+    hints: dict[str, Any] = {}
+    for cls in classes:
+        resolved = typing.get_type_hints(cls)
+        hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init})
+    return hints
+
+
+def _arms(hint) -> tuple:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _matches(value, hint) -> bool:
+    """Whether ``value`` is acceptable for a field typed ``hint`` (lenient where argparse or the Trainer convert)."""
+    for arm in _arms(hint):
+        origin = typing.get_origin(arm)
+        if arm is Any or arm is typing.Any:
+            return True
+        if arm is type(None):
+            if value is None:
+                return True
+        elif arm is bool:
+            if isinstance(value, bool):
+                return True
+        elif arm is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return True
+        elif arm is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return True
+        elif arm is str:
+            if isinstance(value, str):
+                return True
+        elif isinstance(arm, type) and issubclass(arm, Enum):
+            if isinstance(value, (str, arm)):
+                return True
+        elif origin is list:
+            (item,) = typing.get_args(arm) or (Any,)
+            if isinstance(value, list) and all(_matches(v, item) for v in value):
+                return True
+        elif origin is dict or arm is dict:
+            if isinstance(value, dict):
+                return True
+        elif origin is typing.Literal:
+            if value in typing.get_args(arm):
+                return True
+        else:
+            return True  # a class argparse cannot produce (e.g. ParallelismConfig): left to its owner
+    return False
+
+
+def _describe_type(hint) -> str:
+    names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "nothing"}
+    parts = []
+    for arm in _arms(hint):
+        if typing.get_origin(arm) is list:
+            parts.append("a list")
+        elif typing.get_origin(arm) is dict or arm is dict:
+            parts.append("a mapping")
+        elif isinstance(arm, type) and issubclass(arm, Enum):
+            parts.append("one of its names")
+        else:
+            parts.append(names.get(arm, getattr(arm, "__name__", str(arm))))
+    return " or ".join(dict.fromkeys(parts))
+
+
+def _plain(value):
+    return value.value if isinstance(value, Enum) else value
+
+
+@functools.cache
+def _unset_training_keys() -> frozenset[str]:
+    """``TrainingArguments`` keys the argument parser leaves ``None`` when not given (the Trainer fills them)."""
+    defaults = vars(HfArgumentParser(TrainingArguments).parse_args([]))
+    return frozenset(key for key, value in defaults.items() if value is None)
+
+
+def key_problems(values: dict, hints: dict[str, Any]) -> list[str]:
+    """One message per key whose value has the wrong type, is out of range, or is not an accepted choice."""
+    problems = []
+    for key, value in values.items():
+        hint = hints.get(key)
+        if hint is None or key in SKIPPED_TYPE_CHECK or (value is None and key in _unset_training_keys()):
+            continue
+        if not _matches(value, hint):
+            shown = "nothing (an empty value)" if value is None else f"{value!r} ({type(value).__name__})"
+            problems.append(f"{key}: expected {_describe_type(hint)}, got {shown}")
+            continue
+        if key in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
+            accepts, rule = RANGES[key]
+            if not math.isfinite(value) or not accepts(value):
+                hint_text = f" ({RANGE_HINTS[key]})" if key in RANGE_HINTS else ""
+                problems.append(f"{key}: must be {rule}, got {value}{hint_text}")
+        if key in CHOICES and value is not None:
+            choice = str(_plain(value))
+            if choice not in CHOICES[key]:
+                problems.append(unknown_choice(key, choice, CHOICES[key]))
+    return problems
+
+
+def unknown_choice(key: str, value: str, choices: tuple[str, ...]) -> str:
+    """``key: 'value' is not one of ...; did you mean ...?`` (the list shortened when long)."""
+    close = difflib.get_close_matches(str(value).lower(), choices, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    listed = ", ".join(choices) if len(choices) <= 12 else ", ".join(choices[:12]) + f", ... ({len(choices)} in all)"
+    return f"{key}: '{value}' is not one of {listed}{hint}"
+
+
+def training_field_types() -> dict[str, Any]:
+    """The type hints of every ``TrainingArguments`` key."""
+    return field_types(TrainingArguments)

@@ -1,0 +1,178 @@
+"""Seeded fuzzing of recipe configs: every mutation validates, or is refused with one line naming the key.
+
+Valid configs (the shipped tiny LoRA and QLoRA defaults, and one on the recipe's FSDP route) are mutated
+one change at a time: a key dropped, retyped, set out of range, misspelled, given twice; FSDP keys combined
+in ways that cannot work; tabs and broken YAML. Each result goes through the recipe's own config path
+(`resolve_recipe_config`, `check_before_training`, `build_training_arguments`, as ``fsdp-peft validate`` and
+every recipe run them) as if launched on 2 ranks. Anything but a `ConfigError` is a traceback a user would
+see; a mutation that must be refused (duplicate, out of range, wrong type, misspelling, FSDP clash) and is
+accepted is a silent acceptance. A sample of refusals also runs through the real ``fsdp-peft validate``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_command
+from fsdp_peft.config import build_training_arguments, resolve_recipe_config
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.keys import RANGES, training_field_types
+from fsdp_peft.validation import check_before_training
+
+MUTATIONS = 600
+SEED = 20261130
+BASES = {
+    "lora": REPO / "configs" / "llama_lora" / "tiny.yaml",
+    "qlora": REPO / "configs" / "llama_qlora" / "tiny.yaml",
+}
+FSDP_ROUTE = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}}
+RECIPE_RANGES = {  # the project's own numeric keys and a value each must refuse
+    "lora_r": 0, "max_seq_length": -8, "generate_max_new_tokens": 0, "generate_batch_size": -1,
+    "generate_samples": -3, "generate_eval_samples": -1, "eval_split": 1.5, "lora_alpha": 0, "lora_dropout": 1.0,
+}  # fmt: skip
+OUT_OF_RANGE = {"max_steps": [0, -7], "learning_rate": [0.0, -1e-3, float("nan")], "adam_beta1": [1.5],
+                "per_device_train_batch_size": [0], "gradient_accumulation_steps": [0], "warmup_steps": [-1],
+                "logging_steps": [0], "save_steps": [-2], "save_total_limit": [0], "seed": [-1]}  # fmt: skip
+FSDP_CLASHES = [  # (values set, the key the message must name)
+    ({"fsdp": None, "fsdp_config": {"version": 2}}, "fsdp_config"),
+    ({"fsdp": "hybrid_shard auto_wrap", "fsdp_config": {"version": 2}}, "fsdp"),
+    ({"fsdp": "full_shard shard_grad_op"}, "fsdp"),
+    ({"fsdp": "full_shard auto_wrp"}, "fsdp"),
+    ({"fsdp": True, "fsdp_config": {"versoin": 2}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"version": 3}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"reshard_after_forward": "sometimes"}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "TRANSFORMER_WRAP"}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"version": 1, "auto_wrap_policy": "SIZE_BASED_WRAP"}}, "auto_wrap_policy"),
+    ({"fsdp": True, "fsdp_config": "/no/such/fsdp.json"}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"xla": True}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"min_num_params": -5}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"cpu_offload": "maybe"}}, "fsdp_config"),
+    ({"fsdp": True, "fsdp_config": {"fsdp_version": 2, "version": 2}}, "fsdp_config"),
+    ({"fsdp": 42}, "fsdp"),
+]
+
+
+def _misspelled(key: str, rng: random.Random) -> str:
+    i = rng.randrange(len(key) - 1)
+    swapped = key[:i] + key[i + 1] + key[i] + key[i + 2 :]
+    return swapped if swapped != key else key + "x"
+
+
+def _dump(values: dict) -> str:
+    return yaml.safe_dump(values, sort_keys=False)
+
+
+def mutations(rng: random.Random):
+    """Yield ``(kind, base name, YAML text, must_refuse, key the message must name)``."""
+    hints = training_field_types()
+    for _ in range(MUTATIONS):
+        base_name = rng.choice([*BASES, "fsdp"])
+        values = yaml.safe_load(BASES["lora" if base_name == "fsdp" else base_name].read_text())
+        if base_name == "fsdp":
+            values.update(FSDP_ROUTE)
+        kind = rng.choice(["drop", "retype", "range", "misspell", "duplicate", "fsdp", "tab", "syntax"])
+        key = rng.choice(sorted(values))
+        if kind == "drop":
+            values.pop(key)
+            yield kind, base_name, _dump(values), False, None
+        elif kind == "retype":
+            value = rng.choice([[1, 2], {"nested": 1}, "not-a-value", True, 3.25, None])
+            allowed_container = re.search(r"\b(list|dict)\b", str(hints.get(key, ""))) or key in (
+                "lora_target_modules", "fsdp", "fsdp_config",
+            )  # fmt: skip
+            must = isinstance(value, (list, dict)) and not allowed_container
+            values[key] = value
+            yield kind, base_name, _dump(values), must, key if must else None
+        elif kind == "range":
+            table = {**{k: [v] for k, v in RECIPE_RANGES.items()}, **OUT_OF_RANGE}
+            key = rng.choice(sorted(table))
+            values[key] = rng.choice(table[key])
+            yield kind, base_name, _dump(values), True, key
+        elif kind == "misspell":
+            wrong = _misspelled(key, rng)
+            values[wrong] = values.pop(key)
+            yield kind, base_name, _dump(values), True, wrong
+        elif kind == "duplicate":
+            text = _dump(values) + _dump({key: values[key]})
+            yield kind, base_name, text, True, key
+        elif kind == "fsdp":
+            clash, named = rng.choice(FSDP_CLASHES)
+            values.update(clash)
+            yield kind, base_name, _dump({k: v for k, v in values.items() if v is not None}), True, named
+        elif kind == "tab":
+            text = _dump({**values, "fsdp_config": {"version": 2}}).replace("\n  version", "\n\tversion")
+            yield kind, base_name, text, True, None
+        else:
+            text = _dump(values).replace(f"{key}:", f"{key}: [unclosed", 1)
+            yield kind, base_name, text, True, None
+
+
+def validate_as_the_recipe_does(config: Path, monkeypatch) -> None:
+    """The recipe's config path on 2 launched ranks (torchrun's WORLD_SIZE), as `fsdp-peft validate` runs it."""
+    recipe, training_values, options = resolve_recipe_config(["--config", str(config)], config, "outputs")
+    with monkeypatch.context() as launched:
+        launched.setenv("WORLD_SIZE", "2")
+        check_before_training(recipe, training_values)
+    build_training_arguments(training_values, options.config)
+
+
+def test_mutated_configs_validate_or_are_refused_with_one_line_naming_the_key(tmp_path, monkeypatch, capsys):
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rng = random.Random(SEED)
+    outcomes, messages, tracebacks, silent, unnamed, multiline = Counter(), Counter(), [], [], [], []
+    for number, (kind, base, text, must_refuse, named) in enumerate(mutations(rng)):
+        config = tmp_path / f"m{number}.yaml"
+        config.write_text(text)
+        try:
+            validate_as_the_recipe_does(config, monkeypatch)
+        except ConfigError as error:
+            message = str(error)
+            outcomes[kind, "refused"] += 1
+            messages[re.sub(r"/tmp/\S+?m\d+\.yaml", "CONFIG", message)] += 1
+            if "\n" in message:
+                multiline.append((kind, message))
+            if named and named not in message:
+                unnamed.append((kind, named, message))
+            if kind in ("tab", "syntax", "duplicate") and not re.search(rf"{re.escape(str(config))}:\d+: ", message):
+                unnamed.append((kind, "file:line", message))
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as error:  # a traceback a user would see
+            tracebacks.append((kind, text, repr(error)))
+        else:
+            outcomes[kind, "accepted"] += 1
+            if must_refuse:
+                silent.append((kind, text))
+    with capsys.disabled():
+        print(f"\n{MUTATIONS} mutations: {dict(sorted(outcomes.items()))}; {len(messages)} distinct messages")
+    assert sum(outcomes.values()) + len(tracebacks) == MUTATIONS >= 500
+    assert not tracebacks, tracebacks[:3]
+    assert not silent, silent[:3]
+    assert not unnamed, unnamed[:3]
+    assert not multiline, multiline[:3]
+    assert all(outcomes[kind, "refused"] > 0 for kind in ("range", "misspell", "duplicate", "fsdp", "tab", "syntax"))
+    assert outcomes["drop", "accepted"] > 0  # dropping a key falls back to its default
+
+
+@pytest.mark.parametrize("kind", ["duplicate", "range", "fsdp", "syntax"])
+def test_fsdp_peft_validate_exits_2_with_one_line_for_a_mutation(kind, tmp_path):
+    rng = random.Random(SEED + 1)
+    text = next(t for k, _, t, must, _ in mutations(rng) if k == kind and must)
+    config = tmp_path / "mutated.yaml"
+    config.write_text(text)
+    two_ranks = tmp_path / "two_ranks.yaml"  # an accelerate config without FSDP: the recipe's fsdp keys decide
+    two_ranks.write_text("distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
+    command = [sys.executable, "-m", "fsdp_peft.cli", "validate", str(config), "--accelerate-config", str(two_ranks)]
+    result = run_command(command, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr

@@ -1,0 +1,212 @@
+"""Runs never mix and never vanish silently: one run per output_dir, resumed only by itself, locked while live.
+
+Each bad case is refused with one ``error:`` line and exit code 2, and the existing run's files are byte for
+byte unchanged (checksums before and after); each good case still trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, read_json, run_command
+
+pytestmark = pytest.mark.slow
+
+QUICK = [
+    "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+    "--generate_samples", "0", "--generate_eval_samples", "0", "--per_device_train_batch_size", "4",
+    "--lr_scheduler_type", "constant", "--warmup_steps", "0",
+]  # fmt: skip
+
+
+def launch_command(*overrides: str) -> list[str]:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
+        "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "recipes" / "llama_lora.py"),
+        *overrides,
+    ]  # fmt: skip
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """sha256 of every file under ``directory`` (the lock file's holder line excluded)."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != ".fsdp_peft.lock"
+    }
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    ours = result.stderr.partition("Traceback (most recent call last)")[0]
+    return [line for line in ours.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 (never modified by the tests: they copy it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    launch_recipe("llama_lora", "--output_dir", str(out), *QUICK)
+    return out
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(finished, target)
+    return target
+
+
+def test_a_run_records_its_identity_in_its_outputs_and_checkpoints(finished):
+    record = read_json(finished / "fsdp_peft_run.json")
+    assert len(record["run_id"]) == 12 and record["config"]["learning_rate"] == pytest.approx(1e-3)
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        assert read_json(finished / checkpoint / "fsdp_peft_layout.json")["run_id"] == record["run_id"]
+
+
+def test_starting_into_a_finished_run_is_refused_and_changes_nothing(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    before = checksums(out)
+    result = run_command(launch_command("--output_dir", str(out), *QUICK))
+    assert result.returncode != 0
+    run_id = read_json(out / "fsdp_peft_run.json")["run_id"]
+    assert error_lines(result) == [
+        f"error: output_dir: {out} holds run {run_id} started {read_json(out / 'fsdp_peft_run.json')['started']} "
+        "(2 checkpoints, adapter/ saved); resume it with --resume_from_checkpoint auto, replace it with "
+        "--overwrite_output_dir true (its checkpoints are removed), or choose another output_dir"
+    ]
+    assert checksums(out) == before
+
+
+def test_overwrite_output_dir_removes_the_old_run_first_and_says_so(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    old_id = read_json(out / "fsdp_peft_run.json")["run_id"]
+    (out / "checkpoint-4" / "marker").write_text("old run")
+    result = launch_recipe("llama_lora", "--output_dir", str(out), *QUICK[:2], "--save_strategy", "no",
+                           "--overwrite_output_dir", "true", *QUICK[6:])  # fmt: skip
+    assert f"overwrite_output_dir: removing the previous run's checkpoint-2, checkpoint-4, adapter" in result.stdout
+    assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-4").exists()
+    record = read_json(out / "fsdp_peft_run.json")
+    assert record["run_id"] != old_id and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_auto_resume_refuses_a_run_with_another_config_and_resumes_the_same_one(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    shutil.rmtree(out / "checkpoint-4")  # the run "died" after its step-2 checkpoint
+    before = checksums(out)
+    changed = [*QUICK, "--learning_rate", "5e-4", "--resume_from_checkpoint", "auto", "--output_dir", str(out)]
+    result = run_command(launch_command(*changed))
+    assert result.returncode != 0
+    [line] = error_lines(result)
+    assert line.startswith(f"error: resume_from_checkpoint: auto: {out} holds run ")
+    assert "trained with another config (differs in learning_rate); resume with that config" in line
+    assert checksums(out) == before
+
+    same = launch_recipe("llama_lora", *QUICK, "--resume_from_checkpoint", "auto", "--output_dir", str(out))
+    assert f"resuming from {out / 'checkpoint-2'}" in same.stdout
+    record = read_json(out / "fsdp_peft_run.json")
+    assert record["run_id"] == read_json(finished / "fsdp_peft_run.json")["run_id"] and len(record["legs"]) == 2
+
+
+def test_resuming_a_run_already_at_max_steps_trains_no_further_step(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    losses_before = [e for e in read_json(out / "checkpoint-4" / "trainer_state.json")["log_history"] if "loss" in e]
+    result = launch_recipe("llama_lora", *QUICK, "--resume_from_checkpoint", "auto", "--output_dir", str(out))
+    assert f"resuming from {out / 'checkpoint-4'}" in result.stdout
+    assert "llama_lora: 4 steps" in result.stdout  # the summary of the finished run, not a fifth step
+    state = read_json(out / "trainer_state.json")
+    assert state["global_step"] == 4
+    assert [e for e in state["log_history"] if "loss" in e] == losses_before
+    assert not (out / "checkpoint-5").exists()
+
+
+def test_a_live_run_holds_its_output_dir_and_a_killed_one_does_not(tmp_path, tiny_model_dir):
+    out = tmp_path / "live"
+    long_run = [*QUICK[2:], "--max_steps", "2000", "--output_dir", str(out)]
+    live = subprocess.Popen(launch_command(*long_run), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoint-2").is_dir():
+            assert live.poll() is None and time.monotonic() < deadline, live.stderr.read() if live.poll() else "slow"
+            time.sleep(0.5)
+        before = checksums(out / "checkpoint-2")
+        second = run_command(launch_command(*long_run, "--overwrite_output_dir", "true"))
+        [line] = error_lines(second)
+        assert line.startswith(f"error: output_dir: {out} is in use by a live run (pid ")
+        assert line.endswith("wait for it to end or stop it, or choose another output_dir")
+        assert checksums(out / "checkpoint-2") == before  # overwrite did not touch the live run
+
+        ranks = [p for p in psutil.Process(live.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        launcher = psutil.Process(live.pid)
+        launcher.send_signal(signal.SIGKILL)  # the launcher dies; its ranks must not live on as orphans
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if live.poll() is None:
+            live.kill()
+        live.wait()
+    resumed = launch_recipe("llama_lora", *QUICK, "--overwrite_output_dir", "true", "--output_dir", str(out))
+    assert "overwrite_output_dir: removing the previous run's" in resumed.stdout
+
+
+def test_an_unknown_model_type_is_refused_alike_by_validate_and_the_recipe(tmp_path, tiny_model_dir):
+    model = tmp_path / "odd-model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llama_nova"}))
+    recipe = tmp_path / "odd.yaml"
+    recipe.write_text(f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nmodel_name_or_path: {model}\n")
+    expected = (
+        f"error: model_name_or_path: the config of {model} does not load: The checkpoint you are trying to load has "
+        "model type `llama_nova` but Transformers does not recognize this architecture."
+    )
+    validate = run_command(["fsdp-peft", "validate", str(recipe)])
+    recipe_run = run_command(launch_command("--config", str(recipe), "--output_dir", str(tmp_path / "out")))
+    for result in (validate, recipe_run):
+        assert result.returncode != 0
+        [line] = error_lines(result)
+        assert line.startswith(expected) and line.endswith("(if its code lives in its hub repo: trust_remote_code: true)")
+    assert error_lines(validate) == error_lines(recipe_run)
+    assert validate.returncode == 2 and "Traceback" not in validate.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_code_lives_in_its_repo_needs_trust_remote_code(tmp_path, tiny_model_dir):
+    model = tmp_path / "remote-code-llama"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "configuration_nova.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass NovaConfig(LlamaConfig):\n    model_type = 'nova_llama'\n"
+    )
+    (model / "modeling_nova.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_nova import NovaConfig\n\n\n"
+        "class NovaForCausalLM(LlamaForCausalLM):\n    config_class = NovaConfig\n"
+    )
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="nova_llama", architectures=["NovaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_nova.NovaConfig",
+                            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM"})  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    recipe = tmp_path / "nova.yaml"
+    recipe.write_text(f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nmodel_name_or_path: {model}\n")
+
+    refused = run_command(["fsdp-peft", "validate", str(recipe)])
+    assert refused.returncode == 2
+    [line] = error_lines(refused)
+    assert line.startswith(f"error: model_name_or_path: the config of {model} does not load") and "trust_remote_code: true" in line
+
+    out = tmp_path / "out"
+    trained = launch_recipe("llama_lora", "--config", str(recipe), "--trust_remote_code", "true", "--output_dir", str(out),
+                            "--max_steps", "2", "--generate_samples", "0", "--generate_eval_samples", "0")  # fmt: skip
+    assert f"trust_remote_code: true: running Python code from the repository of {model}" in trained.stdout
+    assert read_json(out / "results.json")["steps"] == 2
+    assert read_json(out / "fsdp_layout.json")["units"][2].endswith("layers.0")
