@@ -42,6 +42,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from fsdp_peft.config import RecipeArguments
     from fsdp_peft.generation import GenerationSettings, generate_completions
+    from fsdp_peft.launch import release_process_group, start_process_group
     from fsdp_peft.modeling import load_base_model, load_tokenizer
     from fsdp_peft.policies import shard_for_generation
 
@@ -50,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     sharded = MODES[args.worker] is not None
     if sharded:
-        dist.init_process_group("gloo")
+        start_process_group()
     torch.manual_seed(0)  # the same random, non-zero adapter in every process
     tokenizer = load_tokenizer(recipe)
     model = get_peft_model(load_base_model(recipe), LoraConfig(r=32, target_modules="all-linear", init_lora_weights=False))
@@ -85,8 +86,7 @@ def worker(args: argparse.Namespace) -> None:
             "processes": dist.get_world_size() if sharded else 1, "threads_per_process": torch.get_num_threads(),
             "completions": completions,
         }), flush=True)  # fmt: skip
-    if sharded:
-        dist.destroy_process_group()
+    release_process_group()
 
 
 def run(mode: str, args: argparse.Namespace) -> dict:

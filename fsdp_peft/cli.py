@@ -95,8 +95,9 @@ def _export(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from fsdp_peft.inference import run_generate
-    from fsdp_peft.recipe import release_process_group
+    from fsdp_peft.launch import release_process_group, start_process_group
 
+    start_process_group()
     try:
         run_generate(args)
     finally:
@@ -138,6 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in CATALOG_COMMANDS:
         _add_model_commands(commands)
     args = parser.parse_args(argv)
+    if args.command not in CATALOG_COMMANDS:
+        from fsdp_peft._compat import check_upstream
+        from fsdp_peft.log import configure_logging
+
+        configure_logging(stream="stderr")  # stdout is the command's output (completions, plans, listings)
+        try:
+            check_upstream()
+            args.run(args)
+        finally:
+            configure_logging()  # back to the library's default, for callers of main() in one process
+        return
     args.run(args)
 
 

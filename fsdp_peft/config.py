@@ -163,22 +163,6 @@ def _check_cli_keys(argv: list[str]) -> None:
             raise _unknown_key_error(key, "command line")
 
 
-def parse_recipe_config(
-    argv: list[str], default_config: Path, default_output_dir: str
-) -> tuple[RecipeArguments, TrainingArguments]:
-    """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
-    from fsdp_peft.validation import check_before_training
-
-    recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
-    check_before_training(recipe_args, training_values)
-    training_args = build_training_arguments(training_values, options.config)
-    if options.print_config:
-        if os.environ.get("RANK", "0") == "0":
-            print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
-        sys.exit(0)
-    return recipe_args, training_args
-
-
 def resolve_recipe_config(
     argv: list[str], default_config: Path, default_output_dir: str
 ) -> tuple[RecipeArguments, dict, argparse.Namespace]:

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from datasets import Dataset, Features, List, Value, load_from_disk
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
+from fsdp_peft.launch import ranks
+from fsdp_peft.log import logger
 from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_DATASET_NAME, cache_dir
 
 IGNORE_INDEX = -100
@@ -693,15 +694,16 @@ def _on_this_node_first(build_here: Callable[[], None], local_main: bool) -> Non
 def _print_report(report: dict, reused: Path | None) -> None:
     lines = []
     for split, part in report.items():
-        line = f"[fsdp-peft] data: {split} {part['rows']} rows from {part['source']}"
+        line = f"data: {split} {part['rows']} rows from {part['source']}"
         if part.get("packed_rows") is not None:
             line += f", packed into {part['packed_rows']} rows"
         if part["dropped"]:
             line += f"; dropped {sum(part['dropped'].values())}: {_describe(Counter(part['dropped']))}"
         lines.append(line)
     if reused:
-        lines.append(f"[fsdp-peft] data: tokenized once, reused from {reused}")
-    print("\n".join(lines), flush=True)
+        lines.append(f"data: tokenized once, reused from {reused}")
+    for line in lines:
+        logger.info(line)
 
 
 def load_data(recipe: RecipeArguments, tokenizer, training=None) -> tuple[Dataset, Dataset | None, list[Example]]:
@@ -720,7 +722,7 @@ def load_data(recipe: RecipeArguments, tokenizer, training=None) -> tuple[Datase
             f"eval_split: {recipe.eval_split} splits eval rows off the training data, but eval data is already "
             f"given ({held_out}); set eval_split: 0 or remove the eval file"
         )
-    local_main = os.environ.get("LOCAL_RANK", "0") == "0"
+    local_main = ranks().is_local_main
     hub_splits: dict[Source, Dataset] = {}
     if hub := [source for source in (train, held_out) if source and source.hub]:
 
@@ -739,7 +741,7 @@ def load_data(recipe: RecipeArguments, tokenizer, training=None) -> tuple[Datase
                 build(recipe, tokenizer, train, held_out, seed, staging, hub_splits)
 
     _on_this_node_first(build_here, local_main)
-    if os.environ.get("RANK", "0") == "0":
+    if ranks().is_main:
         _print_report(json.loads((target / "report.json").read_text()), reused)
     train_rows = load_from_disk(str(target / "train"))
     if not (target / "eval").is_dir():

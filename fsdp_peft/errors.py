@@ -27,7 +27,7 @@ def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
         try:
             return main(*args, **kwargs)
         except ConfigError as error:
-            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank checks the same input: say it once
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank checks the same input: say it once
                 print(f"error: {error}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
 

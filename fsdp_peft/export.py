@@ -28,7 +28,6 @@ import math
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -38,6 +37,7 @@ from safetensors import safe_open
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
+from fsdp_peft.log import logger
 from fsdp_peft.tiny import resolve_model_path
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -199,9 +199,12 @@ def check_adapter_fits_base(deltas: dict, files: dict[str, Path], adapter: Adapt
 
 
 def tell(line: str) -> None:
-    """Notes and warnings go to stderr, once per job (rank 0): stdout stays the command's output."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+    """Notes and warnings, through the logger (stderr under ``fsdp-peft export``/``generate``: stdout stays
+    the command's output)."""
+    if line.startswith("warning: "):
+        logger.warning(line.removeprefix("warning: "))
+    else:
+        logger.info(line.removeprefix("[fsdp-peft] "))
 
 
 def base_config_fields(config) -> dict:

@@ -19,11 +19,13 @@ import os
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, ParallelismConfig, PartialState
+from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import TrainerCallback, TrainingArguments
 
+from fsdp_peft._compat import state_switched_to_fsdp
 from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.log import logger
 
 
 def fsdp_requested(args: TrainingArguments) -> bool:
@@ -75,11 +77,7 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
     unpinned_cpu_offload(plugin)
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
-    # Both states, as accelerate itself does: every later `AcceleratorState()` re-copies `PartialState`.
-    for values in (state.__dict__, PartialState._shared_state):
-        values["distributed_type"] = DistributedType.FSDP
-        if plugin.fsdp_version == 1:  # FSDP1 compares its compute device "cpu" with accelerate's "cpu:0"
-            values["device"] = torch.device("cpu")
+    state_switched_to_fsdp(state, plugin.fsdp_version)
     state.fsdp_plugin = plugin
     if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
         apply_parallelism_config_on_cpu(accelerator)
@@ -239,4 +237,4 @@ class FsdpLayoutReport(TrainerCallback):
         (Path(args.output_dir) / "fsdp_layout.json").write_text(json.dumps(report, indent=1))
         if units:
             sharded = sum(1 for p in layout if p["local_shape"] != p["shape"])
-            print(f"[fsdp-peft] FSDP units: {len(units)}; sharded parameters: {sharded}/{len(layout)}")
+            logger.info(f"FSDP units: {len(units)}; sharded parameters: {sharded}/{len(layout)}")

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 
 from fsdp_peft.data import Example, render_example_prompt
 from fsdp_peft.fsdp import gathered_from_every_rank, is_sharded
+from fsdp_peft.log import logger
 
 
 @dataclass(frozen=True)
@@ -254,9 +255,9 @@ class SamplesAtEvaluation(TrainerCallback):
         completions = _complete(model, self.tokenizer, self.examples, self.recipe, args.device)
         if completions is None:
             return
-        lines = [f"[fsdp-peft] samples at step {state.global_step}:"]
+        lines = [f"samples at step {state.global_step}:"]
         with open(Path(args.output_dir) / "eval_samples.jsonl", "a") as handle:
             for example, completion in zip(self.examples, completions):
                 handle.write(json.dumps({"step": state.global_step, **_sample_row(example, completion)}) + "\n")
                 lines.append(f"  {example.prompt!r} -> {completion!r} (expected {example.completion!r})")
-        print("\n".join(lines), flush=True)
+        logger.info("\n".join(lines))

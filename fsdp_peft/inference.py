@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.generation import GenerationSettings, generate_completions
+from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
@@ -146,17 +146,12 @@ def run_generate(args) -> None:
     prompts = read_prompts(args.prompt, args.prompts_file)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = local_device()
-    if world > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     set_seed(args.seed)
     loaded = load_for_generation(args.source, args.base, device, args.allow_base_mismatch)
     if world > 1:
         shard_for_generation(loaded.model, device)
-    if int(os.environ.get("RANK", "0")) == 0:
-        where = f", sharded over {world} ranks" if world > 1 else ""
-        print(f"[fsdp-peft] generating from {loaded.description}{where}", file=sys.stderr, flush=True)
+    where = f", sharded over {world} ranks" if world > 1 else ""
+    logger.info(f"generating from {loaded.description}{where}")
     chat = args.chat if args.chat is not None else bool(loaded.chat)
     texts = [render_prompt(loaded.tokenizer, prompt, chat) for prompt in prompts]
     settings = GenerationSettings(

@@ -17,6 +17,7 @@ accelerate's when only the launcher does. Validation, the trainer, loading and t
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import json
 import os
@@ -109,6 +110,33 @@ class FsdpSettings:
     offload_params: bool
     activation_checkpointing: bool
     cpu_ram_efficient_loading: bool
+
+
+def start_process_group() -> None:
+    """Join the launcher's process group (NCCL on GPUs, gloo on the CPU) unless one exists, and make sure it
+    is torn down before the interpreter ends, whatever happens (`release_process_group` at exit)."""
+    import torch
+    import torch.distributed as dist
+
+    atexit.register(release_process_group)
+    if dist.is_initialized() or ranks().world_size < 2:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ranks().local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def release_process_group() -> None:
+    """Destroy the process group while the interpreter is whole; every distributed entry point ends here.
+
+    Left to interpreter shutdown, gloo's worker threads can still hold work with Python references and
+    the process aborts after a finished run ("terminate called without an active exception", SIGABRT),
+    which the launcher reports as a failure.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launcher_asks_for_fsdp() -> bool:

@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_peft._compat import fsdp2_prepare_model_replaced
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings, ranks
+from fsdp_peft.log import logger
 
 PENDING = "_fsdp_peft_pending_checkpoint"
 CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names  # set on a skeleton model: where its weights will come from
@@ -83,42 +85,6 @@ def _quantize_skeleton(model, quantization, dtype: torch.dtype) -> None:
 def _packed_shape(shape: torch.Size, storage: torch.dtype) -> tuple[int, int]:
     """bitsandbytes packs two 4-bit values per byte into a column of the storage dtype."""
     return ((shape.numel() + 1) // 2 // storage.itemsize, 1)
-
-
-@contextlib.contextmanager
-def adapters_created_off_meta():
-    """Keep LoRA weights created beside a meta base layer on the CPU (peft would move them to meta).
-
-    Creation, initialisation and dtype casts are unchanged, so they draw the same random numbers and
-    give the same values as on a loaded model; only peft's final moves to the base layer's (meta)
-    device are undone.
-    """
-    from peft.tuners.lora.model import LoraModel
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
-    original_replace = LoraModel._replace_module
-
-    def move(self, adapter_name, device=None):
-        base_device, _ = self._get_base_layer_device_and_dtype(self.get_base_layer())
-        if device is None and base_device is not None and base_device.type == "meta":
-            device = torch.device("cpu")
-        return original_move(self, adapter_name, device=device)
-
-    def replace(self, parent, child_name, new_module, child):
-        kept = [(m, n, p) for m in new_module.modules() for n, p in m.named_parameters(recurse=False) if not p.is_meta]
-        original_replace(self, parent, child_name, new_module, child)
-        for module, name, parameter in kept:
-            if getattr(module, name).is_meta:
-                module._parameters[name] = parameter
-
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = move
-    LoraModel._replace_module = replace
-    try:
-        yield
-    finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
-        LoraModel._replace_module = original_replace
 
 
 def pending_checkpoint(model: torch.nn.Module) -> str | None:
@@ -283,7 +249,6 @@ def weights_loaded_after_sharding(model: torch.nn.Module, accelerator):
     if pending_checkpoint(model) is None:
         yield
         return
-    import accelerate.accelerator as accelerate_module
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     plugin = accelerator.state.fsdp_plugin
@@ -291,23 +256,21 @@ def weights_loaded_after_sharding(model: torch.nn.Module, accelerator):
         raise ConfigError(
             "cpu_ram_efficient_loading: the model was built for FSDP2's low-memory loading; set fsdp_version: 2"
         )
-    original = accelerate_module.fsdp2_prepare_model
 
-    def prepare(accelerator, model):
-        plugin.cpu_ram_efficient_loading = False
-        try:
-            prepared = original(accelerator, model)
-        finally:
-            plugin.cpu_ram_efficient_loading = True
-        offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-        source = pending_checkpoint(prepared)
-        count = load_sharded_weights(prepared, accelerator.device, offload_to_cpu=offload)
-        if accelerator.is_main_process:
-            print(f"[fsdp-peft] low-memory loading: rank 0 read {count} tensors of {source}, each rank kept its shards")
-        return prepared
+    def then_load(original):
+        def prepare(accelerator, model):
+            plugin.cpu_ram_efficient_loading = False
+            try:
+                prepared = original(accelerator, model)
+            finally:
+                plugin.cpu_ram_efficient_loading = True
+            offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+            source = pending_checkpoint(prepared)
+            count = load_sharded_weights(prepared, accelerator.device, offload_to_cpu=offload)
+            logger.info(f"low-memory loading: rank 0 read {count} tensors of {source}, each rank kept its shards")
+            return prepared
 
-    accelerate_module.fsdp2_prepare_model = prepare
-    try:
+        return prepare
+
+    with fsdp2_prepare_model_replaced(then_load):
         yield
-    finally:
-        accelerate_module.fsdp2_prepare_model = original

@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from fsdp_peft.fsdp import gathered_from_every_rank
+from fsdp_peft.log import logger
 
 MEMORY_FILE = "memory.json"
 
@@ -126,4 +127,4 @@ class MemoryReport(TrainerCallback):
         (Path(args.output_dir) / MEMORY_FILE).write_text(json.dumps(report, indent=1))
         if "parameter_gradient_optimizer_bytes" in mine:
             largest = max(r["parameter_gradient_optimizer_bytes"] for r in ranks)
-            print(f"[fsdp-peft] per-rank parameters + gradients + optimizer state: {largest / 2**20:.1f} MiB (largest rank)")
+            logger.info(f"per-rank parameters + gradients + optimizer state: {largest / 2**20:.1f} MiB (largest rank)")

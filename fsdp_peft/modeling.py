@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, TrainingArguments
 
+from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.loading import pending_checkpoint
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.tiny import resolve_model_path
 from fsdp_peft.validation import mixed_precision_dtype
@@ -79,19 +82,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     return model
 
 
-def disable_cpu_weight_repacking(model: torch.nn.Module) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights in place on CPU (returns the modules changed).
-
-    On CPUs with AVX512-BF16, ``Linear4bit.forward`` in eval mode rewrites ``weight.data`` into a kernel
-    layout and flags the shared ``quant_state``; under FSDP that rewrite hits the gathered copy and every
-    later forward computes with the wrong layout. GPU runs never take that path.
-    """
-    changed = 0
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            changed += 1
-    return changed
+disable_cpu_weight_repacking = cpu_weight_repacking_disabled  # the patch lives in the compat layer
 
 
 def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: TrainingArguments):
@@ -109,10 +100,9 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
         target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
     )
-    from fsdp_peft.loading import adapters_created_off_meta
-
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
-    with adapters_created_off_meta():  # a low-memory skeleton's adapters are real all the same
+    skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
+    with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
     if not keep_fp32:
         for parameter in peft_model.parameters():

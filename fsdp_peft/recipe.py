@@ -8,6 +8,7 @@ function; model families differ only in their entry in `fsdp_peft.families`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import sys
@@ -17,20 +18,26 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 
-from fsdp_peft.config import parse_recipe_config
+from fsdp_peft._compat import check_upstream
+from fsdp_peft.config import build_training_arguments, resolved_config_yaml, resolve_recipe_config
 from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
+from fsdp_peft.launch import ranks, release_process_group
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
+from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.export import export_merged
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
+from fsdp_peft.validation import check_before_training
 
 
 @exits_cleanly_on_user_error
 def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
     """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
     die_with_the_launcher()
+    atexit.register(release_process_group)  # accelerate creates the group; it goes before the interpreter does
+    check_upstream()
     try:
         return _run_recipe(name, default_config, argv)
     finally:
@@ -38,17 +45,18 @@ def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -
         release_process_group()
 
 
-def release_process_group() -> None:
-    """Destroy the process group while the interpreter is whole.
-
-    Left to interpreter shutdown, gloo's worker threads can still hold work with Python references and
-    the process aborts after a finished run ("terminate called without an active exception", SIGABRT),
-    which the launcher reports as a failure.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def parse_recipe_config(
+    argv: list[str], default_config: Path, default_output_dir: str
+) -> tuple[RecipeArguments, TrainingArguments]:
+    """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
+    recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
+    check_before_training(recipe_args, training_values)
+    training_args = build_training_arguments(training_values, options.config)
+    if options.print_config:
+        if ranks().is_main:
+            print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
+        sys.exit(0)
+    return recipe_args, training_args
 
 
 def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
@@ -56,18 +64,17 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
     if training.include_num_input_tokens_seen == "no":
         training.include_num_input_tokens_seen = "non_padding"  # the summary reports the tokens trained on
-    if recipe.trust_remote_code and training.process_index == 0:
-        print(
-            f"[fsdp-peft] trust_remote_code: true: running Python code from the repository of "
-            f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust",
-            flush=True,
+    configure_for_training(training)
+    if recipe.trust_remote_code:
+        logger.warning(
+            f"trust_remote_code: true: running Python code from the repository of "
+            f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust"
         )
     run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
     checkpoint = resume_point(training)
     if checkpoint is not None:
         check_resumable(Path(checkpoint), training, run.run_id)
-        if training.process_index == 0:
-            print(f"[fsdp-peft] resuming from {checkpoint}", flush=True)
+        logger.info(f"resuming from {checkpoint}")
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe, training), recipe, training)
@@ -126,7 +133,8 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         "loss_curve": plot_loss_curve(trainer.state.log_history, output_dir / LOSS_CURVE_FILE),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=1))
-    print(summary(results, output_dir))
+    for line in summary(results, output_dir).splitlines():
+        logger.info(line.removeprefix("[fsdp-peft] "))
     return results
 
 

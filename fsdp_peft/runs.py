@@ -34,6 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import ranks
+from fsdp_peft.log import logger
 
 RUN_FILE = "fsdp_peft_run.json"
 LOCK_FILE = ".fsdp_peft.lock"
@@ -191,7 +192,7 @@ def start_run(recipe: dict, training, resume: str | None) -> Run:
             handle = _take_exclusive_lock(output_dir)
             run_id, remove, message = _decide(output_dir, current, resume, bool(recipe.get("overwrite_output_dir")))
             if message:
-                print(f"[fsdp-peft] {message}", flush=True)
+                logger.info(message)
             for path in remove:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             _write_run(output_dir, run_id, current, resume)

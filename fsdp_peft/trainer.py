@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -10,10 +9,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import transformers.trainer
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
@@ -26,88 +25,10 @@ from fsdp_peft.fsdp import (
     unit_name,
 )
 from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
-
-
-@contextlib.contextmanager
-def _trainer_peft_update_replaced():
-    """Trainer's own FSDP1-only PEFT update would overwrite `configure_fsdp_for_peft`: skip it meanwhile."""
-    original = transformers.trainer.update_fsdp_plugin_peft
-    transformers.trainer.update_fsdp_plugin_peft = lambda model, accelerator: None
-    try:
-        yield
-    finally:
-        transformers.trainer.update_fsdp_plugin_peft = original
-
-
-@contextlib.contextmanager
-def _fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
-    """Make FSDP1 sharded checkpoints (``SHARDED_STATE_DICT``) of a PEFT model hold, and restore, the adapter
-    and its optimizer state.
-
-    Two gaps in accelerate's FSDP1 path, closed while this is active:
-
-    - accelerate selects a PEFT model's checkpoint tensors through peft, which finds adapter tensors by
-      module names; FSDP1's wrappers change those names, so none were found and none saved. Here they are
-      selected by their unwrapped names and stored under peft's keys (adapter name dropped), the keys
-      FSDP2 checkpoints have.
-    - accelerate loads FSDP1 optimizer state into a template made from the optimizer's current state,
-      which is empty before the first step, so nothing was restored and Adam restarted from zero. Here
-      the template comes from the checkpoint's own metadata.
-    """
-    import accelerate.utils.fsdp_utils as fsdp_utils
-
-    by_key = {name.replace(f".{adapter}.", "."): name for name in trainable_names}
-    original_get, original_set = fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict
-    original_load_optimizer = transformers.trainer.load_fsdp_optimizer
-
-    def fsdp1_sharded(model, adapter_only: bool, sd_options) -> bool:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
-
-        if not adapter_only or sd_options is not None or not isinstance(model, FSDP):  # options mean FSDP2
-            return False
-        return FSDP.get_state_dict_type(model).state_dict_type == StateDictType.SHARDED_STATE_DICT
-
-    def get_model_state_dict(model, adapter_only=False, sd_options=None):
-        if not fsdp1_sharded(model, adapter_only, sd_options):
-            return original_get(model, adapter_only=adapter_only, sd_options=sd_options)
-        state = model.state_dict()
-        return {key: state[name] for key, name in by_key.items() if name in state}
-
-    def set_model_state_dict(model, state_dict, adapter_only=False, sd_options=None):
-        if not fsdp1_sharded(model, adapter_only, sd_options):
-            return original_set(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
-        missing = sorted(set(by_key) - set(state_dict))
-        if missing:
-            raise ConfigError(f"checkpoint lacks {len(missing)} adapter tensors (e.g. {missing[0]}); it cannot be resumed")
-        return model.load_state_dict({by_key[key]: value for key, value in state_dict.items()}, strict=False)
-
-    def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
-
-        if fsdp_plugin.fsdp_version != 1 or fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-            return original_load_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-
-        configs = (fsdp_plugin.state_dict_config, fsdp_plugin.optim_state_dict_config)
-        with FSDP.state_dict_type(model, fsdp_plugin.state_dict_type, *configs):
-            reader = dcp.FileSystemReader(str(Path(input_dir) / f"{fsdp_utils.OPTIMIZER_NAME}_0"))
-            state = load_sharded_optimizer_state_dict(model.state_dict(), "optimizer", reader)["optimizer"]
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state))
-        accelerator.wait_for_everyone()
-
-    fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict = get_model_state_dict, set_model_state_dict
-    transformers.trainer.load_fsdp_optimizer = load_fsdp_optimizer
-    try:
-        yield
-    finally:
-        fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict = original_get, original_set
-        transformers.trainer.load_fsdp_optimizer = original_load_optimizer
 
 
 class PeftFsdpTrainer(Trainer):
@@ -145,7 +66,7 @@ class PeftFsdpTrainer(Trainer):
     def _prepare_for_training(self, *args, **kwargs):
         if self.is_fsdp_enabled and not is_sharded(self.model):
             configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype)
-        with _trainer_peft_update_replaced(), weights_loaded_after_sharding(self.model, self.accelerator):
+        with trainer_peft_update_skipped(), weights_loaded_after_sharding(self.model, self.accelerator):
             prepared = super()._prepare_for_training(*args, **kwargs)
         register_generate(self.model)
         return prepared
@@ -194,11 +115,11 @@ class PeftFsdpTrainer(Trainer):
         """Remove checkpoints a crash left half-written (hidden ``.checkpoint-N.partial``), then train."""
         if self.args.should_save:
             for stale in Path(self.args.output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial"):
-                print(f"[fsdp-peft] removing {stale}: an incomplete checkpoint left by an interrupted save")
+                logger.info(f"removing {stale}: an incomplete checkpoint left by an interrupted save")
                 shutil.rmtree(stale)
         self.accelerator.wait_for_everyone()
         adapter = getattr(self.model, "active_adapter", "default")
-        with _fsdp1_adapter_checkpoints(self.trainable_parameter_names, adapter):
+        with fsdp1_adapter_checkpoints(self.trainable_parameter_names, adapter):
             return super().train(*args, **kwargs)
 
     def _run_epoch(self, *args, **kwargs):

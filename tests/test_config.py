@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_command
-from fsdp_peft.config import parse_recipe_config, read_yaml_config
+from fsdp_peft.config import read_yaml_config
+from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.errors import ConfigError
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"

@@ -23,7 +23,7 @@ import yaml
 from conftest import REPO, run_command
 from fsdp_peft.config import build_training_arguments, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.keys import RANGES, training_field_types
+from fsdp_peft.keys import training_field_types
 from fsdp_peft.validation import check_before_training
 
 MUTATIONS = 600

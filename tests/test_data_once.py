@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from conftest import REPO, free_port, run_command
 from fsdp_peft import data
-from fsdp_peft.config import RecipeArguments, parse_recipe_config
+from fsdp_peft.config import RecipeArguments
+from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.errors import ConfigError
 
 ROWS = [{"prompt": f"reverse: {w}", "completion": w[::-1]} for w in ("abcde", "fghij", "klmno")]

@@ -210,7 +210,7 @@ def test_the_recorded_base_exports_and_generates_without_a_note(adapter, tiny_mo
     generated = run_command([*CLI, "generate", str(adapter), "--prompt", "reverse: hello", "--max-new-tokens", "4"])
     assert generated.returncode == 0, generated.stderr[-3000:]
     for result in (exported, generated):
-        assert not stderr_lines(result.stderr, "note:") and not stderr_lines(result.stderr, "warning:")
+        assert not stderr_lines(result.stderr, "[fsdp-peft] note:") and not stderr_lines(result.stderr, "warning:")
 
 
 def test_adapter_without_a_record_is_accepted_with_one_note(adapter, tiny_model_dir, tmp_path, capsys):
@@ -219,8 +219,8 @@ def test_adapter_without_a_record_is_accepted_with_one_note(adapter, tiny_model_
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         (plain / name).write_bytes((adapter / name).read_bytes())
     out = export_merged(plain, tmp_path / "out", dtype="fp32", progress=False)
-    assert capsys.readouterr().err.splitlines() == [
-        f"note: {plain} has no {BASE_FILE} (older fsdp-peft run or plain peft adapter): "
+    assert capsys.readouterr().out.splitlines() == [  # in-process, the library logs to stdout
+        f"[fsdp-peft] note: {plain} has no {BASE_FILE} (older fsdp-peft run or plain peft adapter): "
         f"its base could not be checked against {tiny_model_dir}"
     ]
     assert load_file(out / "model.safetensors").keys() == load_file(tiny_model_dir / "model.safetensors").keys()

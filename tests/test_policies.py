@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.utils import FullyShardedDataParallelPlugin
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer

@@ -92,7 +92,7 @@ def test_overwrite_output_dir_removes_the_old_run_first_and_says_so(finished, tm
     (out / "checkpoint-4" / "marker").write_text("old run")
     result = launch_recipe("llama_lora", "--output_dir", str(out), *QUICK[:2], "--save_strategy", "no",
                            "--overwrite_output_dir", "true", *QUICK[6:])  # fmt: skip
-    assert f"overwrite_output_dir: removing the previous run's checkpoint-2, checkpoint-4, adapter" in result.stdout
+    assert "overwrite_output_dir: removing the previous run's checkpoint-2, checkpoint-4, adapter" in result.stdout
     assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-4").exists()
     record = read_json(out / "fsdp_peft_run.json")
     assert record["run_id"] != old_id and (out / "adapter" / "adapter_model.safetensors").is_file()
@@ -207,6 +207,6 @@ def test_a_model_whose_code_lives_in_its_repo_needs_trust_remote_code(tmp_path, 
     out = tmp_path / "out"
     trained = launch_recipe("llama_lora", "--config", str(recipe), "--trust_remote_code", "true", "--output_dir", str(out),
                             "--max_steps", "2", "--generate_samples", "0", "--generate_eval_samples", "0")  # fmt: skip
-    assert f"trust_remote_code: true: running Python code from the repository of {model}" in trained.stdout
+    assert f"warning: trust_remote_code: true: running Python code from the repository of {model}" in trained.stderr
     assert read_json(out / "results.json")["steps"] == 2
     assert read_json(out / "fsdp_layout.json")["units"][2].endswith("layers.0")

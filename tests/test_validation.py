@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from fsdp_peft.config import parse_recipe_config
+from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.validation import RULES

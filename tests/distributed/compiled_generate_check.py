@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_peft.policies import register_generate
-from fsdp_peft.recipe import release_process_group
+from fsdp_peft.launch import release_process_group, start_process_group
 from fsdp_peft.tiny import tiny_model_path
 
-dist.init_process_group("gloo")
+start_process_group()
 try:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32).eval()
     prompt = torch.tensor([[1, 72, 101, 108, 108, 111]])

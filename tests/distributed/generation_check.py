@@ -14,6 +14,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.launch import release_process_group, start_process_group
 from fsdp_peft.generation import (
     GenerationSettings,
     _budget_agreed_by_all_ranks,
@@ -25,7 +26,7 @@ from fsdp_peft.modeling import load_base_model, load_tokenizer
 from fsdp_peft.policies import shard_for_generation
 
 NEW_TOKENS = 8
-dist.init_process_group("gloo")
+start_process_group()  # and torn down at exit, while the interpreter is whole
 rank = dist.get_rank()
 torch.manual_seed(0)
 recipe = RecipeArguments(torch_dtype="float32")
@@ -77,4 +78,4 @@ report["all_parameters_sharded_dtensors"] = all(isinstance(p, DTensor) for p in 
 report["agreed_budget"] = _budget_agreed_by_all_ranks(None if rank == 0 else 12345)
 if rank == 0:
     print(json.dumps(report), flush=True)
-dist.destroy_process_group()
+release_process_group()

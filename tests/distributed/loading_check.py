@@ -10,7 +10,6 @@ losses, the FSDP settings in force, whether low-memory loading was used, and eac
 """
 
 import argparse
-import atexit
 import json
 import os
 import threading
@@ -24,10 +23,11 @@ from transformers import TrainerCallback, TrainingArguments, set_seed
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.modeling import attach_lora, load_base_model
-from fsdp_peft.recipe import release_process_group
+from fsdp_peft.launch import start_process_group
 from fsdp_peft.trainer import PeftFsdpTrainer
 
-atexit.register(release_process_group)  # before interpreter shutdown, or gloo can abort the process
+
+start_process_group()  # the group the Trainer then uses, torn down at exit while the interpreter is whole
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

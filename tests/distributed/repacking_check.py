@@ -13,9 +13,10 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.launch import release_process_group, start_process_group
 from fsdp_peft.modeling import load_base_model
 
-dist.init_process_group("gloo")
+start_process_group()  # and torn down at exit, while the interpreter is whole
 guarded = "--unguarded" not in sys.argv
 base = load_base_model(RecipeArguments(load_in_4bit=True, torch_dtype="bfloat16"))
 if not guarded:
@@ -45,4 +46,4 @@ model.train()
 losses.append(loss())
 if dist.get_rank() == 0:
     print(json.dumps({"guarded": guarded, "losses": losses}))
-dist.destroy_process_group()
+release_process_group()

@@ -1,0 +1,451 @@
+"""Every place fsdp-peft patches, overrides or reads a private part of another library, in one module.
+
+Each patch is one function here whose docstring says what it replaces, why, where upstream stands, and
+when to remove it. Private parts that other modules only read or override (Trainer's private methods,
+FSDP2 unit state) are listed in `UPSTREAM` with what the code relies on. `check_upstream` runs when a recipe
+or an ``fsdp-peft`` command starts: a library outside the versions this was verified with, or a symbol
+that moved or changed its signature, stops the run with one line, before any work; never a patch that
+silently stops applying. ``FSDP_PEFT_UNVERIFIED=1`` lifts the version gate (symbols are still checked), for
+trying newer releases as ``.ci/run`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from packaging.version import Version
+
+from fsdp_peft.errors import ConfigError
+
+VERIFIED = {  # package: (lowest verified, first unverified) release
+    "torch": ("2.13.0", "2.14"),
+    "transformers": ("5.24.0", "5.25"),
+    "accelerate": ("1.15.0", "1.16"),
+    "peft": ("0.21.2", "0.22"),
+    "bitsandbytes": ("0.50.2", "0.51"),
+}
+UNVERIFIED_VARIABLE = "FSDP_PEFT_UNVERIFIED"
+
+
+class CompatError(ConfigError):
+    """An upstream library is not what fsdp-peft was verified with: one line naming it and the fix."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One private (or patched) upstream symbol and what fsdp-peft relies on."""
+
+    path: str  # "module:attribute.attribute"
+    relies_on: tuple[str, ...] = ()  # parameter names of the callable
+    used_by: str = ""
+    why: str = ""
+    remove_when: str = ""
+    mentions: tuple[str, ...] = ()  # names its source must still use (an attribute it reads, a **kwargs key)
+
+    @property
+    def package(self) -> str:
+        return self.path.split(".", 1)[0].split(":", 1)[0]
+
+
+UPSTREAM: tuple[Upstream, ...] = (
+    Upstream(
+        "transformers.trainer:update_fsdp_plugin_peft",
+        ("model", "accelerator"),
+        "fsdp_peft._compat.trainer_peft_update_skipped",
+        "Trainer's FSDP1-only PEFT update would overwrite fsdp-peft's policies",
+        "transformers calls it under FSDP2 too with the same policies",
+    ),
+    Upstream(
+        "transformers.trainer:load_fsdp_optimizer",
+        ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir"),
+        "fsdp_peft._compat.fsdp1_adapter_checkpoints",
+        "FSDP1 sharded optimizer state is loaded into an empty template before the first step",
+        "accelerate loads FSDP1 optimizer state from the checkpoint's own metadata",
+    ),
+    Upstream(
+        "accelerate.utils.fsdp_utils:_get_model_state_dict",
+        ("model", "adapter_only", "sd_options"),
+        "fsdp_peft._compat.fsdp1_adapter_checkpoints",
+        "FSDP1 renames modules, so peft finds no adapter tensors to checkpoint",
+        "accelerate selects FSDP1 adapter tensors by unwrapped names",
+    ),
+    Upstream(
+        "accelerate.utils.fsdp_utils:_set_model_state_dict",
+        ("model", "state_dict", "adapter_only", "sd_options"),
+        "fsdp_peft._compat.fsdp1_adapter_checkpoints",
+        "the loading side of the same FSDP1 adapter checkpoints",
+        "accelerate selects FSDP1 adapter tensors by unwrapped names",
+    ),
+    Upstream(
+        "accelerate.accelerator:fsdp2_prepare_model",
+        ("accelerator", "model"),
+        "fsdp_peft._compat.fsdp2_prepare_model_replaced (low-memory loading)",
+        "weights stream into a skeleton model only after FSDP2 has sharded it",
+        "accelerate's cpu_ram_efficient_loading supports bitsandbytes 4-bit (accelerate PR #3987)",
+    ),
+    Upstream(
+        "peft.tuners.tuners_utils:BaseTunerLayer._move_adapter_to_device_of_base_layer",
+        ("self", "adapter_name", "device"),
+        "fsdp_peft._compat.adapters_created_off_meta",
+        "peft moves new adapters to a meta base layer's device, losing their initial values",
+        "peft keeps adapters of meta base layers materialised",
+    ),
+    Upstream(
+        "peft.tuners.lora.model:LoraModel._replace_module",
+        ("self", "parent", "child_name", "new_module", "child"),
+        "fsdp_peft._compat.adapters_created_off_meta",
+        "the same move, done again when the LoRA layer replaces the base module",
+        "peft keeps adapters of meta base layers materialised",
+    ),
+    Upstream(
+        "bitsandbytes.nn:Linear4bit.forward",
+        ("self", "x"),
+        "fsdp_peft._compat.cpu_weight_repacking_disabled",
+        "on CPU, eval-mode forwards repack the weight in place, corrupting FSDP's shared unsharded copy",
+        "bitsandbytes repacks into a copy (bitsandbytes #1945)",
+        mentions=("support_avx512bf16_for_cpu",),
+    ),
+    Upstream(
+        "accelerate.state:PartialState._shared_state",
+        (),
+        "fsdp_peft._compat.state_switched_to_fsdp (CPU mode)",
+        "accelerate builds FSDP state only on accelerators; the CPU mode switches MULTI_CPU to FSDP",
+        "accelerate supports FSDP on CPU (gloo)",
+    ),
+    Upstream(
+        "accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
+        ("self", "accelerator"),
+        "fsdp_peft.fsdp.apply_parallelism_config_on_cpu",
+        "HSDP on CPU: the mesh accelerate refuses to build on a MULTI_CPU state",
+        "accelerate supports FSDP on CPU (gloo)",
+    ),
+    Upstream(
+        "accelerate.commands.launch:_validate_launch_command",
+        ("args",),
+        "fsdp_peft.cli.launcher_environment",
+        "`fsdp-peft validate/plan --accelerate-config` derive each rank's environment as the launcher would",
+        "accelerate exposes the launch environment publicly",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._prepare_for_training",
+        ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
+        "fsdp_peft.trainer.PeftFsdpTrainer",
+        "FSDP policies for PEFT are set between Accelerator creation and wrapping",
+        "transformers applies PEFT-aware FSDP2 policies itself",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._save_checkpoint",
+        ("self", "model", "trial"),
+        "fsdp_peft.trainer.PeftFsdpTrainer",
+        "checkpoints are staged and appear only when complete",
+        "transformers writes checkpoints atomically",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._get_output_dir",
+        ("self", "trial"),
+        "fsdp_peft.trainer.PeftFsdpTrainer._save_checkpoint",
+        "checkpoints are written into a staging directory first",
+        "transformers writes checkpoints atomically",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._move_model_to_device",
+        ("self", "model", "device"),
+        "fsdp_peft.trainer.PeftFsdpTrainer",
+        "a low-memory skeleton must not be moved before FSDP shards it",
+        "accelerate's cpu_ram_efficient_loading supports bitsandbytes 4-bit",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._run_epoch",
+        ("self", "model", "epoch", "train_dataloader", "steps_in_epoch"),
+        "fsdp_peft.trainer.PeftFsdpTrainer",
+        "a run resumed at max_steps would train one more step",
+        "Trainer checks max_steps before the first step of a resumed epoch",
+    ),
+    Upstream(
+        "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+        ("self",),
+        "fsdp_peft.generation (gather budget)",
+        "generation keeps FSDP2 units gathered for a whole generate call",
+        "FSDP2 exposes per-unit gathered size and reshard settings",
+    ),
+    Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._lazy_init",
+        ("self",),
+        "fsdp_peft.generation (gather budget)",
+        "the per-group reshard settings generation saves and restores",
+        "FSDP2 exposes per-unit gathered size and reshard settings",
+        mentions=("_fsdp_param_groups", "_auto_reshard_after_forward"),
+    ),
+    Upstream(
+        "transformers.quantizers.base:HfQuantizer.__init__",
+        ("self", "quantization_config"),
+        "fsdp_peft.loading.model_skeleton",
+        "a skeleton gets transformers' own 4-bit module replacement, as for a 16-bit checkpoint",
+        "transformers builds quantized skeletons on meta",
+        mentions=("pre_quantized",),
+    ),
+    Upstream(
+        "transformers.quantizers.base:HfQuantizer.preprocess_model",
+        ("model", "dtype"),
+        "fsdp_peft.loading.model_skeleton",
+        "the module replacement itself (Linear -> Linear4bit) on the meta skeleton",
+        "transformers builds quantized skeletons on meta",
+    ),
+)
+
+
+def _resolve(path: str):
+    module_name, _, attributes = path.partition(":")
+    value = importlib.import_module(module_name)
+    for attribute in attributes.split("."):
+        value = getattr(value, attribute)
+    return value
+
+
+def upstream_problem(entry: Upstream) -> str | None:
+    """Why ``entry`` no longer holds (gone, or not what fsdp-peft relies on), else ``None``."""
+    version = importlib.metadata.version(entry.package)
+    where = f"{entry.package} {version}: {entry.path.replace(':', '.')}"
+    try:
+        value = _resolve(entry.path)
+    except (ImportError, AttributeError):
+        return f"{where} is gone; fsdp-peft relies on it ({entry.why})"
+    missing = []
+    if entry.relies_on:
+        try:
+            parameters = inspect.signature(value).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        missing += [name for name in entry.relies_on if name not in parameters]
+    if entry.mentions:
+        source = _source(value)
+        missing += [name for name in entry.mentions if name not in source]
+    if missing:
+        return f"{where} no longer has {', '.join(missing)}; fsdp-peft relies on it ({entry.why})"
+    return None
+
+
+def _source(value) -> str:
+    try:
+        return inspect.getsource(value)
+    except (OSError, TypeError):
+        return ""
+
+
+def version_problem(package: str) -> str | None:
+    lowest, unverified = VERIFIED[package]
+    installed = importlib.metadata.version(package)
+    release = Version(Version(installed).base_version)
+    if Version(lowest) <= release < Version(unverified):
+        return None
+    return (
+        f"{package} {installed} is outside the versions fsdp-peft was verified with ({lowest} to below {unverified}); "
+        f"install a verified one (pip install -e .), or set {UNVERIFIED_VARIABLE}=1 to try it"
+    )
+
+
+@functools.cache
+def _checked() -> bool:
+    problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in VERIFIED]
+    problems += [upstream_problem(entry) for entry in UPSTREAM]
+    problems = [problem for problem in problems if problem]
+    if problems:
+        raise CompatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return True
+
+
+def check_upstream() -> None:
+    """Stop with one line when an upstream library is not what fsdp-peft's patches were verified with."""
+    _checked()
+
+
+@contextlib.contextmanager
+def trainer_peft_update_skipped():
+    """Replaces ``transformers.trainer.update_fsdp_plugin_peft`` with a no-op while Trainer prepares the model.
+
+    Why: Trainer calls it on the FSDP1 path only, after fsdp-peft set the PEFT-aware policies
+    (`fsdp_peft.policies.configure_fsdp_for_peft`), and would replace them with peft's lambda policy.
+    Upstream: transformers 5.24 calls it only when ``delay_optimizer_creation`` (FSDP1).
+    Remove when: transformers applies the same PEFT-aware policies under both FSDP versions.
+    """
+    import transformers.trainer
+
+    original = transformers.trainer.update_fsdp_plugin_peft
+    transformers.trainer.update_fsdp_plugin_peft = lambda model, accelerator: None
+    try:
+        yield
+    finally:
+        transformers.trainer.update_fsdp_plugin_peft = original
+
+
+@contextlib.contextmanager
+def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
+    """Replaces accelerate's FSDP model-state selection and transformers' FSDP optimizer loading, for FSDP1
+    sharded checkpoints (``SHARDED_STATE_DICT``) of a PEFT model, so they hold and restore the adapter and its
+    optimizer state.
+
+    Why, two gaps in accelerate 1.15's FSDP1 path:
+    - accelerate selects a PEFT model's checkpoint tensors through peft, which finds adapter tensors by module
+      names; FSDP1's wrappers change those names, so none were found and none saved. Here they are selected by
+      their unwrapped names and stored under peft's keys (adapter name dropped), the keys FSDP2 checkpoints have.
+    - accelerate loads FSDP1 optimizer state into a template made from the optimizer's current state, which is
+      empty before the first step, so nothing was restored and Adam restarted from zero (measured: resumed loss
+      5.0724 against 5.0229). Here the template comes from the checkpoint's own metadata.
+    Remove when: accelerate selects FSDP1 adapter tensors by unwrapped names and loads optimizer state from
+    the checkpoint's metadata.
+    """
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    import transformers.trainer
+
+    by_key = {name.replace(f".{adapter}.", "."): name for name in trainable_names}
+    original_get, original_set = fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict
+    original_load_optimizer = transformers.trainer.load_fsdp_optimizer
+
+    def fsdp1_sharded(model, adapter_only: bool, sd_options) -> bool:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        if not adapter_only or sd_options is not None or not isinstance(model, FSDP):  # options mean FSDP2
+            return False
+        return FSDP.get_state_dict_type(model).state_dict_type == StateDictType.SHARDED_STATE_DICT
+
+    def get_model_state_dict(model, adapter_only=False, sd_options=None):
+        if not fsdp1_sharded(model, adapter_only, sd_options):
+            return original_get(model, adapter_only=adapter_only, sd_options=sd_options)
+        state = model.state_dict()
+        return {key: state[name] for key, name in by_key.items() if name in state}
+
+    def set_model_state_dict(model, state_dict, adapter_only=False, sd_options=None):
+        if not fsdp1_sharded(model, adapter_only, sd_options):
+            return original_set(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
+        missing = sorted(set(by_key) - set(state_dict))
+        if missing:
+            raise ConfigError(f"checkpoint lacks {len(missing)} adapter tensors (e.g. {missing[0]}); it cannot be resumed")
+        return model.load_state_dict({by_key[key]: value for key, value in state_dict.items()}, strict=False)
+
+    def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs):
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        if fsdp_plugin.fsdp_version != 1 or fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+            return original_load_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs)
+        accelerator.wait_for_everyone()
+        configs = (fsdp_plugin.state_dict_config, fsdp_plugin.optim_state_dict_config)
+        with FSDP.state_dict_type(model, fsdp_plugin.state_dict_type, *configs):
+            reader = dcp.FileSystemReader(str(Path(input_dir) / f"{fsdp_utils.OPTIMIZER_NAME}_0"))
+            state = load_sharded_optimizer_state_dict(model.state_dict(), "optimizer", reader)["optimizer"]
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state))
+        accelerator.wait_for_everyone()
+
+    fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict = get_model_state_dict, set_model_state_dict
+    transformers.trainer.load_fsdp_optimizer = load_fsdp_optimizer
+    try:
+        yield
+    finally:
+        fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict = original_get, original_set
+        transformers.trainer.load_fsdp_optimizer = original_load_optimizer
+
+
+@contextlib.contextmanager
+def adapters_created_off_meta():
+    """Replaces peft's ``BaseTunerLayer._move_adapter_to_device_of_base_layer`` and ``LoraModel._replace_module``
+    while adapters are attached to a low-memory skeleton (meta base weights), so LoRA weights stay on the CPU.
+
+    Why: peft moves new adapter weights to the base layer's device, for a skeleton the meta device, which drops
+    their initial values. Creation, initialisation and dtype casts are unchanged, so they draw the same random
+    numbers and give the same values as on a loaded model; only the final moves to meta are undone.
+    Only entered for skeleton models (`fsdp_peft.modeling.attach_lora`); a loaded model never sees it.
+    Remove when: peft keeps the adapters of meta base layers materialised.
+    """
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    original_replace = LoraModel._replace_module
+
+    def move(self, adapter_name, device=None):
+        base_device, _ = self._get_base_layer_device_and_dtype(self.get_base_layer())
+        if device is None and base_device is not None and base_device.type == "meta":
+            device = torch.device("cpu")
+        return original_move(self, adapter_name, device=device)
+
+    def replace(self, parent, child_name, new_module, child):
+        kept = [(m, n, p) for m in new_module.modules() for n, p in m.named_parameters(recurse=False) if not p.is_meta]
+        original_replace(self, parent, child_name, new_module, child)
+        for module, name, parameter in kept:
+            if getattr(module, name).is_meta:
+                module._parameters[name] = parameter
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+    LoraModel._replace_module = replace
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
+        LoraModel._replace_module = original_replace
+
+
+@contextlib.contextmanager
+def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
+    """Replaces ``accelerate.accelerator.fsdp2_prepare_model`` by ``replacement(original)`` meanwhile.
+
+    Why: low-memory loading (`fsdp_peft.loading.weights_loaded_after_sharding`) streams the weights into a
+    skeleton right after FSDP2 sharded it, inside `Accelerator.prepare`; accelerate's own
+    ``cpu_ram_efficient_loading`` skips models holding bitsandbytes ``Params4bit`` (every rank then holds a
+    full 4-bit copy while loading).
+    Remove when: accelerate's low-memory loading handles bitsandbytes 4-bit (accelerate PR #3987).
+    """
+    import accelerate.accelerator as accelerate_module
+
+    original = accelerate_module.fsdp2_prepare_model
+    accelerate_module.fsdp2_prepare_model = replacement(original)
+    try:
+        yield
+    finally:
+        accelerate_module.fsdp2_prepare_model = original
+
+
+def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
+    """Sets bitsandbytes' ``Linear4bit.support_avx512bf16_for_cpu`` to False on every 4-bit layer; returns how many.
+
+    Why: on CPU, ``Linear4bit.forward`` in eval mode repacks ``weight.data`` in place for its AVX512-BF16
+    kernel and flags the shared ``quant_state``. Under FSDP that hits the unsharded copy and every later
+    forward is wrong (measured: the loss of one batch moved 5.570147 -> 5.559027 after one eval forward).
+    GPU runs never take this path. `UPSTREAM` checks that ``forward`` still reads the switch.
+    Remove when: bitsandbytes repacks into a copy, not in place.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
+def state_switched_to_fsdp(state, fsdp_version: int) -> None:
+    """Sets accelerate's ``distributed_type`` to FSDP in both the `AcceleratorState` and the shared
+    ``PartialState._shared_state`` (every later ``AcceleratorState()`` re-copies the latter).
+
+    Why: accelerate builds FSDP state only on accelerators; a CPU launch asking for FSDP silently becomes
+    DDP. FSDP1 also compares its compute device ``cpu`` with accelerate's ``cpu:0``, so the device is set too.
+    Remove when: accelerate supports FSDP on CPU over gloo.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    for values in (state.__dict__, PartialState._shared_state):
+        values["distributed_type"] = DistributedType.FSDP
+        if fsdp_version == 1:
+            values["device"] = torch.device("cpu")

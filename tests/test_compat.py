@@ -1,0 +1,88 @@
+"""The compat layer: every patched or private upstream symbol is still what fsdp-peft relies on, and a
+symbol that moved stops a run with one line at start-up instead of silently changing what it does."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+
+import pytest
+
+from conftest import REPO, run_command
+from fsdp_peft import _compat
+from fsdp_peft._compat import UPSTREAM, VERIFIED, CompatError, upstream_problem, version_problem
+
+
+@pytest.mark.parametrize("entry", UPSTREAM, ids=lambda e: e.path)
+def test_each_upstream_symbol_exists_with_what_fsdp_peft_relies_on(entry):
+    assert upstream_problem(entry) is None
+    assert entry.why and entry.remove_when and entry.used_by
+
+
+@pytest.mark.parametrize("package", sorted(VERIFIED))
+def test_installed_releases_are_the_verified_ones(package):
+    assert version_problem(package) is None, importlib.metadata.version(package)
+
+
+def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
+    patches = [
+        _compat.trainer_peft_update_skipped, _compat.fsdp1_adapter_checkpoints, _compat.adapters_created_off_meta,
+        _compat.fsdp2_prepare_model_replaced, _compat.cpu_weight_repacking_disabled, _compat.state_switched_to_fsdp,
+    ]  # fmt: skip
+    for patch in patches:
+        doc = inspect.getdoc(patch)
+        assert "Why" in doc and "Remove when" in doc, patch.__name__
+        assert any(patch.__name__ in entry.used_by for entry in UPSTREAM), patch.__name__
+
+
+def test_a_renamed_symbol_is_named_in_one_line(monkeypatch):
+    import transformers.trainer
+
+    monkeypatch.delattr(transformers.trainer, "update_fsdp_plugin_peft")
+    _compat._checked.cache_clear()
+    try:
+        with pytest.raises(CompatError) as error:
+            _compat.check_upstream()
+    finally:
+        _compat._checked.cache_clear()
+    version = importlib.metadata.version("transformers")
+    assert str(error.value) == (
+        f"transformers {version}: transformers.trainer.update_fsdp_plugin_peft is gone; fsdp-peft relies on it "
+        "(Trainer's FSDP1-only PEFT update would overwrite fsdp-peft's policies)"
+    )
+
+
+def test_a_changed_signature_is_named_in_one_line(monkeypatch):
+    import accelerate.accelerator
+
+    monkeypatch.setattr(accelerate.accelerator, "fsdp2_prepare_model", lambda accelerator, module, plan: module)
+    problem = upstream_problem(next(e for e in UPSTREAM if e.path.endswith("fsdp2_prepare_model")))
+    assert problem.endswith("fsdp2_prepare_model no longer has model; fsdp-peft relies on it "
+                            "(weights stream into a skeleton model only after FSDP2 has sharded it)")  # fmt: skip
+
+
+def test_an_unverified_release_is_refused_unless_asked_for(monkeypatch):
+    monkeypatch.setitem(VERIFIED, "peft", ("0.30.0", "0.31"))
+    installed = importlib.metadata.version("peft")
+    assert version_problem("peft") == (
+        f"peft {installed} is outside the versions fsdp-peft was verified with (0.30.0 to below 0.31); install a "
+        "verified one (pip install -e .), or set FSDP_PEFT_UNVERIFIED=1 to try it"
+    )
+
+
+@pytest.mark.parametrize("entry_point", ["recipe", "validate"])
+def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tmp_path):
+    """The whole path a user takes, with one upstream symbol deleted before fsdp-peft starts."""
+    rename = "import fsdp_peft, transformers.trainer as t; del t.update_fsdp_plugin_peft; import sys; "
+    if entry_point == "recipe":
+        start = f"sys.argv = ['llama_lora.py', '--output_dir', {str(tmp_path / 'out')!r}]; import runpy; " \
+                f"runpy.run_path({str(REPO / 'recipes' / 'llama_lora.py')!r}, run_name='__main__')"  # fmt: skip
+    else:
+        start = f"from fsdp_peft.cli import main; main(['validate', {str(REPO / 'configs' / 'llama_lora' / 'tiny.yaml')!r}])"
+    result = run_command([sys.executable, "-c", rename + start], timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: transformers "), result.stderr
+    assert "update_fsdp_plugin_peft is gone" in lines[0]
+    assert not (tmp_path / "out").exists()

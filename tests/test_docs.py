@@ -1,0 +1,565 @@
+"""Every shell command shown in README.md and docs/*.md runs here, as written or through a named stand-in.
+
+The commands are the lines of the fenced ``bash``, ``sh`` and ``console`` blocks (``$ `` lines in a
+``console`` block), with ``\\`` continuations joined, ``# comments`` dropped and ``&&`` chains split into
+their commands. Each one is covered by exactly one rule:
+
+- ``fsdp-peft ...``: run verbatim.
+- a launch that runs on CPUs (``accelerate launch`` with a ``configs/accelerate/cpu_*`` config,
+  single-node ``torchrun``, ``python recipes/X.py``): run verbatim on a free rendezvous port, a recipe
+  launch with `QUICK` appended (2 steps, no sample generation, no checkpoints unless it asks for them).
+- anything else (GPUs, several nodes, Slurm, ``pip``, an editor, this test suite): `INSTEAD` maps the
+  exact documented command to what runs in its place, and says why.
+
+Each command runs in a fresh directory that links the checkout's ``recipes/`` and ``configs/`` and copies
+``benchmarks/`` (its scripts write results beside themselves), so relative paths work as in a checkout and
+everything a command writes stays there. Placeholders become real: ``my.yaml`` and the prompt files are
+written first, ``outputs/<run>`` is the output of the documented launch that `PRODUCERS` names, and hub
+ids resolve offline to the real models' ``config.json`` (`HUB_CONFIGS`). A documented command that no rule
+covers fails `test_every_documented_command_is_covered`: make it runnable here or add its stand-in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+from conftest import REPO, free_port
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SHELL_FENCES = {"bash", "sh", "console"}
+
+QUICK = "--max_steps 2 --generate_samples 0 --generate_eval_samples 0 --eval_strategy no"
+QUICK_NO_CHECKPOINTS = "--save_strategy no"  # appended unless the launch sets save_strategy itself
+
+QUICK_START = "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_qlora.py"
+GENERATION_RUN = (
+    "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_lora.py"
+    " --save_strategy steps --save_steps 200 --export_merged true"
+)
+# ``outputs/<run>`` in a command that reads it is the output of this documented launch (run once).
+PRODUCERS = {"llama_qlora_tiny": QUICK_START, "llama_lora_tiny": GENERATION_RUN}
+# A 400-step run's last checkpoint is checkpoint-400; the same launch with QUICK ends at checkpoint-2.
+PLACEHOLDERS = {"checkpoint-400": "checkpoint-2"}
+
+# What `fsdp-peft cp qwen_qlora/qwen2_5_7b.yaml my.yaml` writes: the README's copy-edit-launch loop.
+MY_YAML = (REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml").read_text()
+PLACEHOLDER_FILES = {
+    "my.yaml": MY_YAML,
+    "prompts.txt": "reverse: hello\nreverse: abcde\n",
+    "prompts.jsonl": '{"prompt": "reverse: hello"}\n{"prompt": "reverse: abcde"}\n',
+}
+
+# The config.json of each hub model a documented command reads (values as published on the hub), so
+# `fsdp-peft plan` and `validate` see the real shapes with no network.
+HUB_CONFIGS = {
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "use_cache": True, "vocab_size": 128256,
+    },
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+        "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+        "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    },
+}  # fmt: skip
+
+
+def _fenced_blocks(page: Path, languages: set[str]):
+    """``(language, first line number, [lines])`` of each fenced block of ``page`` in one of ``languages``."""
+    language, start, lines = None, 0, []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.strip().startswith("```"):
+            if language is None:
+                language, start, lines = line.strip()[3:].strip(), number + 1, []
+            else:
+                if language in languages:
+                    yield language, start, lines
+                language = None
+        elif language is not None:
+            lines.append(line)
+
+
+def _without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes, as the shell reads it."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index].rstrip()
+    return line.rstrip()
+
+
+def _split_and(command: str) -> list[str]:
+    """The commands of an ``a && b`` chain (``&&`` outside quotes)."""
+    parts, quote, current, index = [], None, "", 0
+    while index < len(command):
+        char = command[index]
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif command.startswith("&&", index):
+            parts.append(current.strip())
+            current, index = "", index + 2
+            continue
+        current += char
+        index += 1
+    return [part for part in [*parts, current.strip()] if part]
+
+
+def _where(page: Path) -> str:
+    return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else page.name
+
+
+def documented_commands(pages: list[Path] = PAGES) -> dict[str, list[str]]:
+    """Every shell command in ``pages``, each with the ``page:line`` places that show it."""
+    commands: dict[str, list[str]] = {}
+    for page in pages:
+        for language, start, lines in _fenced_blocks(page, SHELL_FENCES):
+            pending, first = "", start
+            for offset, line in enumerate(lines):
+                if not pending:
+                    first = start + offset
+                    if line.startswith("$ "):
+                        line = line[2:]
+                    elif language == "console":
+                        continue  # output shown in a console block
+                text = _without_comment(line).strip()
+                if text.endswith("\\"):
+                    pending += text[:-1].strip() + " "
+                    continue
+                command, pending = (pending + text).strip(), ""
+                for part in _split_and(command):
+                    commands.setdefault(part, []).append(f"{_where(page)}:{first}")
+    return commands
+
+
+def documented_output(page: str, after: str) -> list[str]:
+    """The lines of the first plain fenced block that follows the line containing ``after`` in ``page``."""
+    text = (REPO / page).read_text()
+    rest = text[text.index(after) :]
+    block = rest[rest.index("\n```\n") + 5 :]
+    return block[: block.index("\n```")].splitlines()
+
+
+def page_yaml(page: str) -> str:
+    """The first ``yaml`` block of ``page``: a config the page goes on to launch as ``my.yaml``."""
+    return "\n".join(next(_fenced_blocks(REPO / page, {"yaml"}))[2]) + "\n"
+
+
+# Files a page defines before the command that reads them (instead of PLACEHOLDER_FILES).
+PAGE_FILES = {
+    "torchrun --nproc_per_node 2 recipes/llama_lora.py --config my.yaml": {
+        "my.yaml": page_yaml("docs/fsdp-settings.md")
+    },
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """What runs for a documented command: a shell command in a fresh workspace, after writing ``files``."""
+
+    command: str
+    files: tuple[tuple[str, str], ...] = ()
+    why: str = field(default="", compare=False)  # a stand-in's reason: why the documented command cannot run here
+
+
+def _validate(config: str, accelerate_config: str, why: str, **files: str) -> Run:
+    return Run(f"fsdp-peft validate {config} --accelerate-config {accelerate_config}", tuple(files.items()), why)
+
+
+def _edited(text: str, old: str, new: str) -> str:
+    assert old in text, f"nothing to edit: {old!r} not found"
+    return text.replace(old, new)
+
+
+def _accelerate_config_with(name: str, key: str, value: str) -> str:
+    """A shipped accelerate config with ``key`` set as an ``accelerate launch --key value`` option sets it."""
+    text = (REPO / "configs" / "accelerate" / name).read_text()
+    changed = re.sub(rf"(?m)^(\s*{key}:) \S+", rf"\1 {value}", text)
+    assert changed != text, f"{name} has no {key} to set"
+    return changed
+
+
+GPU = "needs GPUs: checked as the launch would start it, without weights"
+NODES = "needs several machines: checked as node 0 would start it; tests/test_multinode.py runs it on 2 CPU 'nodes'"
+SLURM = "needs Slurm: the script's dry run prints each node's launcher (tests/test_multinode.py::test_dry_run_*)"
+TORCHRUN_2X8 = "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 16\nmachine_rank: 0\n"
+
+# Documented commands that cannot run on this machine as written, and what runs in their place.
+INSTEAD: dict[str, Run] = {
+    "pip install -e .": Run(
+        f"python -c 'import fsdp_peft; assert fsdp_peft.__file__.startswith(\"{REPO}/\")' && fsdp-peft ls",
+        why="installs: this environment has the editable install of this checkout (.ci/run makes it)",
+    ),
+    'pip install -e ".[test]"': Run(
+        "python -c 'import pytest; assert int(pytest.__version__.split(\".\")[0]) >= 8'",
+        why="installs: the test extra (pytest>=8) is what runs this test",
+    ),
+    "python -m pytest -q": Run(
+        "grep -qxF 'pip install -e \".[test]\" && python -m pytest -q' .ci/run",
+        why="is this test suite: .ci/run runs the documented line verbatim",
+    ),
+    "$EDITOR my.yaml": Run(
+        "fsdp-peft validate my.yaml", (("my.yaml", _edited(MY_YAML, "lora_r: 16 ", "lora_r: 8 ")),),
+        why="an editor: the copy with lora_r changed, validated",
+    ),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/qwen_qlora.py --config my.yaml":
+        _validate("my.yaml", "configs/accelerate/fsdp2.yaml", GPU),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/llama_qlora.py "
+    "--config configs/llama_qlora/llama3_1_8b.yaml --learning_rate 1e-4": _validate(
+        "launched.yaml", "configs/accelerate/fsdp2.yaml", GPU,
+        **{"launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nlearning_rate: 1.0e-4\n"},
+    ),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/llama_lora.py "
+    "--config configs/llama_lora/llama3_1_8b.yaml":
+        _validate("configs/llama_lora/llama3_1_8b.yaml", "configs/accelerate/fsdp2.yaml", GPU),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml --fsdp_cpu_ram_efficient_loading true "
+    "recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml": _validate(
+        "configs/llama_qlora/llama3_1_8b.yaml", "launcher.yaml", GPU,
+        **{"launcher.yaml": _accelerate_config_with("fsdp2.yaml", "fsdp_cpu_ram_efficient_loading", "true")},
+    ),
+    "accelerate launch --config_file configs/accelerate/multinode_fsdp2.yaml --num_machines 2 --num_processes 16 "
+    "--machine_rank 0 --main_process_ip node0.cluster --main_process_port 29500 recipes/llama_qlora.py "
+    "--config configs/llama_qlora/llama3_1_8b.yaml":
+        _validate("configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/multinode_fsdp2.yaml", NODES),
+    "torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr node0.cluster --master_port 29500 "
+    "recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml --fsdp \"full_shard auto_wrap\" "
+    "--fsdp_config '{\"version\": 2, \"state_dict_type\": \"SHARDED_STATE_DICT\"}'": _validate(
+        "launched.yaml", "torchrun.yaml", NODES + "; torchrun's 2 x 8 ranks as a launcher config without FSDP",
+        **{"launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nfsdp: full_shard auto_wrap\n"
+                            'fsdp_config: {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}\n',
+           "torchrun.yaml": TORCHRUN_2X8},
+    ),
+    "accelerate launch --config_file configs/accelerate/hsdp_fsdp2.yaml --machine_rank 0 "
+    "--main_process_ip node0.cluster recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml":
+        _validate("configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/hsdp_fsdp2.yaml", NODES),
+    "sbatch configs/slurm/recipe.sbatch": Run(
+        "DRY_RUN=1 SLURM_JOB_NODELIST=node1,node2 bash configs/slurm/recipe.sbatch", why=SLURM
+    ),
+    "sbatch --nodes 4 configs/slurm/recipe.sbatch --learning_rate 1e-4": Run(
+        "DRY_RUN=1 SLURM_JOB_NODELIST=node1,node2,node3,node4 bash configs/slurm/recipe.sbatch --learning_rate 1e-4",
+        why=SLURM,
+    ),
+    "RECIPE=recipes/llama_lora.py CONFIG=configs/llama_lora/llama3_1_8b.yaml "
+    "ACCELERATE_CONFIG=configs/accelerate/hsdp_fsdp2.yaml sbatch configs/slurm/recipe.sbatch": Run(
+        "RECIPE=recipes/llama_lora.py CONFIG=configs/llama_lora/llama3_1_8b.yaml "
+        "ACCELERATE_CONFIG=configs/accelerate/hsdp_fsdp2.yaml DRY_RUN=1 SLURM_JOB_NODELIST=node1,node2 "
+        "bash configs/slurm/recipe.sbatch",
+        why=SLURM,
+    ),
+    "python benchmarks/train_cpu.py": Run(
+        "python benchmarks/train_cpu.py --models tiny --methods lora --steps 1",
+        why="10-20 minutes: the same benchmark on the tiny model, LoRA, 1 step",
+    ),
+    "bash benchmarks/gpu_check.sh": Run(
+        "bash benchmarks/gpu_check.sh --dry-run", why="needs a GPU: its documented CPU dry run, same code"
+    ),
+}  # fmt: skip
+
+
+def _recipe_launch(command: str) -> str | None:
+    """The recipe a launch starts (``llama_qlora``), or None."""
+    match = re.match(r"^(?:accelerate launch|torchrun|python) (?:.* )?recipes/(\w+)\.py(?: |$)", command)
+    return match.group(1) if match else None
+
+
+def _runs_on_cpus(command: str) -> bool:
+    """A launch this machine runs as written: a CPU accelerate config, one-node torchrun, or one process."""
+    if command.startswith("accelerate launch "):
+        return "--config_file configs/accelerate/cpu_" in command and "--machine_rank" not in command
+    if command.startswith("torchrun "):
+        return not re.search(r"--nnodes|--node_rank|--rdzv", command)
+    return command.startswith("python recipes/")
+
+
+def coverage(command: str) -> Run | None:
+    """What runs for a documented command, or None when nothing covers it."""
+    documented = command
+    if command in INSTEAD:
+        return INSTEAD[command]
+    if re.match(r"^(cat \S+ \| )?fsdp-peft \S", command) or re.search(r"(^|\s)(DRY_RUN=1|--dry-run)(\s|$)", command):
+        return Run(command)  # the command line tool, and the dry runs of the Slurm and GPU-check scripts
+    if command.startswith(("accelerate launch ", "torchrun ", "python recipes/")) and _runs_on_cpus(command):
+        if _recipe_launch(command) and "--print-config" not in command:
+            quick = QUICK if "--save_strategy" in command else f"{QUICK} {QUICK_NO_CHECKPOINTS}"
+            command = f"{command} {quick}"
+        return Run(command, tuple(PAGE_FILES.get(documented, {}).items()))
+    return None
+
+
+DOCUMENTED = documented_commands()
+RUNS: dict[Run, list[str]] = {}
+for _command in DOCUMENTED:
+    if (_run := coverage(_command)) is not None:
+        RUNS.setdefault(_run, []).append(_command)
+
+
+def _slow(run: Run) -> bool:
+    """Runs that start several processes: launches, readers of a launch's outputs, the benchmarks."""
+    return bool(re.match(r"^(accelerate launch|torchrun) |.*(outputs|benchmarks)/", run.command))
+
+
+def _run_id(run: Run) -> str:
+    """The first place that documents it, and how the command starts."""
+    return f"{DOCUMENTED[RUNS[run][0]][0]} {' '.join(RUNS[run][0].split()[:3])}"
+
+
+# `fsdp-peft` commands that start no process group run in this process: the console script's `main` with
+# the same arguments, without paying for a fresh torch import (seconds) each time.
+IN_PROCESS = re.compile(r"^fsdp-peft (ls|cp|validate|plan|tiny-model)( [\w./=-]+)*$")
+
+
+@dataclass
+class Outcome:
+    workspace: Path
+    command: str  # as it ran: rendezvous port and placeholders filled in
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return f"{self.stdout}\n{self.stderr}"
+
+
+@dataclass
+class Workspaces:
+    """Fresh directories to run documented commands in; each run happens once per module."""
+
+    base: Path
+    hub: Path  # the offline hub cache
+    outcomes: dict[Run, Outcome] = field(default_factory=dict)
+
+    def run(self, run: Run) -> Outcome:
+        if run not in self.outcomes:
+            self.outcomes[run] = self._run(run, self.base / f"run{len(self.outcomes)}")
+        return self.outcomes[run]
+
+    def outputs(self, name: str) -> Path:
+        """``outputs/<name>`` as the documented launch `PRODUCERS` names for it writes it."""
+        outcome = self.run(coverage(PRODUCERS[name]))
+        assert outcome.returncode == 0, f"{PRODUCERS[name]} failed:\n{outcome.output[-4000:]}"
+        return outcome.workspace / "outputs" / name
+
+    def _run(self, run: Run, workspace: Path) -> Outcome:
+        workspace.mkdir()
+        for name in ("recipes", "configs", ".ci"):
+            (workspace / name).symlink_to(REPO / name)
+        shutil.copytree(REPO / "benchmarks", workspace / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+        command = run.command
+        for placeholder, value in PLACEHOLDERS.items():
+            command = command.replace(placeholder, value)
+        for name, text in PLACEHOLDER_FILES.items():
+            if re.search(rf"(^|[\s/]){re.escape(name)}(\s|$)", command) and not command.startswith("fsdp-peft cp "):
+                (workspace / name).write_text(text)
+        for name, text in run.files:
+            (workspace / name).write_text(text)
+        if not _recipe_launch(command):
+            for name in sorted(set(re.findall(r"outputs/(\w+)", command))):
+                (workspace / "outputs").mkdir(exist_ok=True)
+                (workspace / "outputs" / name).symlink_to(self.outputs(name))
+        command = re.sub(r"^accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", command)
+        command = re.sub(r"^torchrun ", f"torchrun --master_port {free_port()} ", command)
+        if IN_PROCESS.match(command):
+            return Outcome(workspace, command, *_fsdp_peft_here(command.split()[1:], workspace, self.hub))
+        environment = {
+            **os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(self.hub),
+        }  # fmt: skip
+        result = subprocess.run(
+            ["bash", "-c", command], cwd=workspace, env=environment, capture_output=True, text=True, timeout=900
+        )
+        return Outcome(workspace, command, result.returncode, result.stdout, result.stderr)
+
+
+def _fsdp_peft_here(argv: list[str], workspace: Path, hub: Path) -> tuple[int, str, str]:
+    """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.cli.main`, with the offline hub cache ``hub``."""
+    from huggingface_hub import constants
+
+    from fsdp_peft.cli import main
+
+    stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    with (
+        mock.patch.object(constants, "HF_HUB_OFFLINE", True),
+        mock.patch.object(constants, "HF_HUB_CACHE", str(hub)),
+        redirect_stdout(stdout),
+        redirect_stderr(stderr),
+    ):
+        os.chdir(workspace)
+        try:
+            main(argv)
+            returncode = 0
+        except SystemExit as exit:
+            returncode = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        finally:
+            os.chdir(cwd)
+    return returncode, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory) -> Workspaces:
+    """Workspaces whose hub cache holds the `HUB_CONFIGS`, as a download of each model's config leaves it."""
+    hub = tmp_path_factory.mktemp("hub")
+    for repo, config in HUB_CONFIGS.items():
+        snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(config))
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    return Workspaces(tmp_path_factory.mktemp("docs"), hub)
+
+
+def check(outcome: Outcome, documented: list[str]) -> None:
+    """What each kind of command must have done, beyond exiting 0."""
+    command, workspace, output = outcome.command, outcome.workspace, outcome.output
+    assert outcome.returncode == 0, f"{command} exited {outcome.returncode}:\n{output[-4000:]}"
+    if (recipe := _recipe_launch(command)) and "--print-config" not in command:
+        assert re.search(rf"\[fsdp-peft\] {recipe}: 2 steps, ", output), output[-3000:]
+        adapter = re.search(r"\[fsdp-peft\] adapter: (\S+)", output).group(1)
+        assert json.loads((workspace / adapter / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    elif "--print-config > resolved.yaml" in command:
+        assert yaml.safe_load((workspace / "resolved.yaml").read_text())["learning_rate"] == 1e-4
+    elif match := re.search(r"fsdp-peft validate (\S+)", command):
+        assert re.search(rf"(?m)^{re.escape(match.group(1))}: ok\b", outcome.stdout), output[-3000:]
+    elif command.startswith("fsdp-peft plan") and "--json" in command:
+        assert json.loads(outcome.stdout)["fits"] is True
+    elif command.startswith("fsdp-peft plan"):
+        assert outcome.stdout.splitlines()[-1].startswith("fits in ")
+    elif command == "fsdp-peft ls":
+        assert {recipe.stem for recipe in (REPO / "recipes").glob("*.py")} <= set(
+            re.findall(r"(?m)^recipe\s+(\w+)", output)
+        )
+    elif match := re.match(r"fsdp-peft cp (\S+) (\S+)$", command):
+        assert (workspace / match.group(2)).read_text() == (REPO / "configs" / match.group(1)).read_text()
+    elif "fsdp-peft generate" in command and "--json" in command:
+        rows = [json.loads(line) for line in outcome.stdout.splitlines() if line.startswith("{")]
+        assert [row["prompt"] for row in rows] == ["reverse: hello", "reverse: abcde"], outcome.stdout
+    elif "fsdp-peft generate" in command:
+        assert outcome.stdout.strip(), output[-3000:]
+    elif match := re.match(r"fsdp-peft export \S+ --out (\S+)", command):
+        assert json.loads((workspace / match.group(1) / "config.json").read_text())["model_type"] == "llama"
+    elif "bash configs/slurm/recipe.sbatch" in command:
+        nodes = re.search(r"(?:NODES|SLURM_JOB_NODELIST)=(\S+)", command).group(1).split(",")
+        launchers = re.findall(r"(?m)^node (\d+) (\S+): accelerate launch --machine_rank (\d+) ", outcome.stdout)
+        assert launchers == [(str(rank), node, str(rank)) for rank, node in enumerate(nodes)], outcome.stdout
+    elif "benchmarks/gpu_check.sh" in command:
+        assert "[gpu_check] results: " in output
+    elif "benchmarks/train_cpu.py" in command:
+        assert "per-rank params+grads+optimizer, world size 2 / 1, tiny/lora: 0.500" in output
+    for line in (line for text in documented for line in DOCUMENTED_OUTPUT.get(text, [])):
+        assert line in [shown.rstrip() for shown in output.splitlines()], f"documented output line missing: {line}"
+
+
+# Lines the docs show as a command's output that a quick run reproduces exactly.
+DOCUMENTED_OUTPUT = {
+    QUICK_START: ["[fsdp-peft] FSDP units: 7; sharded parameters: 95/95"],
+    "fsdp-peft plan configs/llama_qlora/llama3_1_8b.yaml --gpus 2 --gpu-memory 24GiB "
+    "--accelerate-config configs/accelerate/fsdp2.yaml": [
+        line.rstrip() for line in documented_output("docs/memory.md", "Here is the output") if "..." not in line
+    ],
+}
+
+
+def test_commands_are_read_as_the_shell_reads_them(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\n"
+        "fsdp-peft ls   # one line each\n"
+        "# a comment line\n"
+        "accelerate launch --config_file a.yaml \\\n"
+        "    recipes/x.py --prompt 'a # b' \\\n"
+        '    --fsdp "full_shard auto_wrap"   # trailing\n'
+        "pip install -e . && python -m pytest -q\n"
+        "```\n"
+        "```\nnot a command\n```\n"
+        "```console\n$ fsdp-peft ls\nrecipe  llama_lora  ...\n```\n"
+        "```yaml\nkey: value\n```\n"
+    )
+    assert documented_commands([page]) == {
+        "fsdp-peft ls": ["page.md:2", "page.md:13"],
+        "accelerate launch --config_file a.yaml recipes/x.py --prompt 'a # b' --fsdp \"full_shard auto_wrap\"": [
+            "page.md:4"
+        ],
+        "pip install -e .": ["page.md:7"],
+        "python -m pytest -q": ["page.md:7"],
+    }
+
+
+def test_every_documented_command_is_covered():
+    uncovered = [
+        f"{', '.join(places)}: {command}" for command, places in DOCUMENTED.items() if coverage(command) is None
+    ]
+    assert not uncovered, (
+        "documented commands that no test runs (make them run here, or add a stand-in to INSTEAD):\n"
+        + "\n".join(uncovered)
+    )
+    stale = [
+        command
+        for command in [*INSTEAD, *PAGE_FILES, *PRODUCERS.values(), *DOCUMENTED_OUTPUT]
+        if command not in DOCUMENTED
+    ]
+    assert not stale, "mapped here but no longer documented:\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize(
+    "run", [pytest.param(run, marks=[pytest.mark.slow] if _slow(run) else []) for run in RUNS], ids=_run_id
+)
+def test_documented_command_runs_and_does_what_it_says(run, workspaces):
+    check(workspaces.run(run), RUNS[run])
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``page``."""
+    headings = re.findall(r"(?m)^#{1,6} (.+)$", re.sub(r"(?ms)^```.*?^```", "", page.read_text()))
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_link_between_the_pages_and_into_them_resolves():
+    """Relative links in the README and docs/, and ``README.md#...``/``docs/...md#...`` anywhere in the
+    code, configs and tests, name a file that exists and a heading it has."""
+    links = [
+        (page, page.parent, target) for page in PAGES for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    ]
+    folders = ("fsdp_peft", "recipes", "configs", "benchmarks", "tests", ".ci")
+    for path in (path for folder in folders for path in (REPO / folder).rglob("*") if path.is_file()):
+        if path.suffix in {".py", ".yaml", ".sbatch", ".sh", ".md", ""}:
+            links += [
+                (path, REPO, target) for target in re.findall(r"(?:README|docs/[\w-]+)\.md#[\w-]+", path.read_text())
+            ]
+    broken = []
+    for source, base, target in links:
+        if re.match(r"^[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (base / file).resolve() if file else source
+        if not resolved.exists() or (anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved)):
+            broken.append(f"{_where(source)}: {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
