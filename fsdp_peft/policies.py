@@ -5,8 +5,8 @@ accelerate ignores peft's wrap policy under FSDP2. `configure_fsdp_for_peft` is 
 decides, before the model is prepared:
 
 - **units**: every decoder layer (the config's ``transformer_layer_cls_to_wrap``, else the family's
-  decoder layer class, else ``_no_split_modules``) is a unit, whatever wrap policy was configured, except that
-  ``SIZE_BASED_WRAP`` is honoured under FSDP2 (under FSDP1 it is refused in `fsdp_peft.validation`). FSDP1 also gives every trainable adapter leaf a unit
+  decoder layer class, else ``_no_split_modules``) is a unit, whatever wrap policy was configured;
+  ``SIZE_BASED_WRAP`` is refused in `fsdp_peft.validation` under both versions. FSDP1 also gives every trainable adapter leaf a unit
   of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
   untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
   per parameter, and accelerate already carves the untied embeddings and the final norm + head.

@@ -313,6 +313,17 @@ def _save_strategy(training: dict) -> str:
     return str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
 
 
+def _fsdp2_size_based_wrap_shards_no_layer(recipe, training) -> str | None:
+    settings = _settings(training)
+    if settings and settings.version == 2 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
+        return (
+            "auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate 1.15 shards every module above min_num_params, "
+            "the decoder layers' ModuleList included, which fully_shard refuses (measured: ValueError), and below "
+            "that no layer gets a unit; set auto_wrap_policy: TRANSFORMER_BASED_WRAP (one unit per decoder layer)"
+        )
+    return None
+
+
 def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
     settings = _settings(training)
     strategy = _save_strategy(training)
@@ -396,6 +407,7 @@ RULES: list[Callable] = [
     _prequantized_base_is_trainable,
     _save_only_model_needs_full_state_dict,
     _fsdp1_units_keep_adapters_apart,
+    _fsdp2_size_based_wrap_shards_no_layer,
     _fsdp1_checkpoints_are_sharded,
     _offload_needs_a_cpu_optimizer,
     _cpu_mode_cannot_load_on_rank_0_only,

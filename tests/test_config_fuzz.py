@@ -176,3 +176,16 @@ def test_fsdp_peft_validate_exits_2_with_one_line_for_a_mutation(kind, tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["duplicate", "range", "misspell"])
+def test_validate_and_the_recipe_give_the_same_message_for_the_same_bad_config(kind, tmp_path):
+    rng = random.Random(SEED + 2)
+    text = next(t for k, base, t, must, _ in mutations(rng) if k == kind and must and base != "fsdp")
+    config = tmp_path / "mutated.yaml"
+    config.write_text(text)
+    validate = run_command([sys.executable, "-m", "fsdp_peft.cli", "validate", str(config)], timeout=300)
+    recipe = run_command([sys.executable, str(REPO / "recipes" / "llama_lora.py"), "--config", str(config)], timeout=300)
+    assert validate.returncode == recipe.returncode == 2
+    assert validate.stderr.strip().splitlines() == recipe.stderr.strip().splitlines()
+    assert len(validate.stderr.strip().splitlines()) == 1 and validate.stderr.startswith("error: ")

@@ -158,6 +158,17 @@ def test_loss_curve_is_a_png_when_matplotlib_is_installed(tmp_path):
     assert path == str(tmp_path / "curve.png") and Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# The real configs name hub datasets; no network here, so the tests swap in the embedded data.
+LOCAL_DATA = ["--dataset", "tiny-reverse", "--data_format", "auto", "--eval_split", "0"]
+
+
+def test_real_configs_name_a_public_dataset_in_the_format_they_set():
+    for config in REAL_CONFIGS:
+        values = read_yaml_config(config)
+        assert "/" in values["dataset"] and values["dataset"] != "tiny-reverse", config
+        assert values["data_format"] in ("messages", "sharegpt", "instruction"), config
+
+
 def _tiny_for(config: Path) -> str:
     model_types = {"meta-llama": "llama", "mistralai": "mistral", "Qwen/Qwen2.5": "qwen2", "Qwen/Qwen3": "qwen3"}
     name = read_yaml_config(config)["model_name_or_path"]
@@ -175,6 +186,7 @@ def test_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_pa
         recipe, "--config", str(config), "--model_name_or_path", tiny_name, "--output_dir", str(tmp_path),
         "--max_steps", "2", "--logging_steps", "1", "--max_seq_length", "64",
         "--generate_samples", "0", "--generate_eval_samples", "0",
+        *LOCAL_DATA,
     )  # fmt: skip
     results = read_json(tmp_path / "results.json")
     global_batch = 2 * values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]

@@ -20,6 +20,10 @@ CASES = {
         LORA_TINY, {}, ["--model_name_or_path", "{t5_model}"],
         "model_name_or_path: {t5_model} is a 't5' model, which has no causal language model head in transformers",
     ),
+    "_fsdp2_size_based_wrap_shards_no_layer": (
+        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
+        "auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate 1.15 shards every module above min_num_params",
+    ),
     "_hybrid_shard_shards_in_the_cpu_mode": (
         LORA_TINY, {"WORLD_SIZE": "2"}, ["--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", '{"version": 1}'],
         "fsdp: hybrid_shard under FSDP1 shards within a node by its GPU count; in the CPU mode every rank",
