@@ -124,9 +124,16 @@ def build(directory: Path) -> None:
     save_file(lora, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 2 * RANK, "lora_dropout": 0.0,
-        "target_modules": targets, "base_model_name_or_path": str(base), "bias": "none", "fan_in_fan_out": False,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "base_model_name_or_path": str(base),
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
     (adapter / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
     print(f"built {sum(torch.Size(s).numel() for s in shapes.values()) / 1e9:.2f}B parameters in {len(files)} shards")
 
@@ -134,8 +141,15 @@ def build(directory: Path) -> None:
 def run_ours(directory: Path, out: Path, shard: str) -> None:
     from fsdp_peft.export import export_merged
 
-    export_merged(directory / "adapter", out, base=str(directory / "base"), dtype="bf16", max_shard_size=shard,
-                  overwrite=True, progress=False)  # fmt: skip
+    export_merged(
+        directory / "adapter",
+        out,
+        base=str(directory / "base"),
+        dtype="bf16",
+        max_shard_size=shard,
+        overwrite=True,
+        progress=False,
+    )
 
 
 def run_transformers(directory: Path, out: Path, shard: str) -> None:

@@ -54,7 +54,9 @@ def worker(args: argparse.Namespace) -> None:
         start_process_group()
     torch.manual_seed(0)  # the same random, non-zero adapter in every process
     tokenizer = load_tokenizer(recipe)
-    model = get_peft_model(load_base_model(recipe), LoraConfig(r=32, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        load_base_model(recipe), LoraConfig(r=32, target_modules="all-linear", init_lora_weights=False)
+    )
     if sharded:
         shard_for_generation(model, torch.device("cpu"))
     gathers = [0]
@@ -65,11 +67,14 @@ def worker(args: argparse.Namespace) -> None:
         return original(*a, **k)
 
     _fsdp_param_group.foreach_all_gather = counting_all_gather
-    prompts = [f"<|user|>{word}<|assistant|>" for word in ("apple", "river", "cloud", "stone", "light",
-                                                            "grass", "tiger", "piano", "ocean", "maple")]  # fmt: skip
+    prompts = [
+        f"<|user|>{word}<|assistant|>"
+        for word in ("apple", "river", "cloud", "stone", "light", "grass", "tiger", "piano", "ocean", "maple")
+    ]
     prompts = (prompts * args.prompts)[: args.prompts]
-    settings = GenerationSettings(args.new_tokens, batch_size=args.prompts, gather_budget=MODES[args.worker] or "all",
-                                  ignore_eos=True)  # fmt: skip
+    settings = GenerationSettings(
+        args.new_tokens, batch_size=args.prompts, gather_budget=MODES[args.worker] or "all", ignore_eos=True
+    )
     generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))  # warm-up
     gathers[0] = 0
     if sharded:
@@ -80,23 +85,49 @@ def worker(args: argparse.Namespace) -> None:
     seconds = (time.perf_counter() - start) / args.repeats
     if not sharded or dist.get_rank() == 0:
         tokens = args.prompts * args.new_tokens
-        print(json.dumps({
-            "mode": args.worker, "seconds_per_call": seconds, "tokens_per_call": tokens,
-            "tokens_per_second": tokens / seconds, "all_gathers_per_call_rank0": gathers[0] / args.repeats,
-            "processes": dist.get_world_size() if sharded else 1, "threads_per_process": torch.get_num_threads(),
-            "completions": completions,
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "mode": args.worker,
+                    "seconds_per_call": seconds,
+                    "tokens_per_call": tokens,
+                    "tokens_per_second": tokens / seconds,
+                    "all_gathers_per_call_rank0": gathers[0] / args.repeats,
+                    "processes": dist.get_world_size() if sharded else 1,
+                    "threads_per_process": torch.get_num_threads(),
+                    "completions": completions,
+                }
+            ),
+            flush=True,
+        )
     release_process_group()
 
 
 def run(mode: str, args: argparse.Namespace) -> dict:
-    script = [str(Path(__file__).resolve()), "--worker", mode, "--prompts", str(args.prompts),
-              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--prompts",
+        str(args.prompts),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
     if MODES[mode] is None:
         command = [sys.executable, *script]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), *script]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *script,
+        ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -126,23 +157,34 @@ def main() -> None:
     reference = max(("unsharded", "unsharded_1_thread"), key=lambda mode: runs[mode]["tokens_per_second"])
     agree = all(c == completions["unsharded"] for c in completions.values())
     for mode, r in runs.items():
-        print(f"{mode:>18}: {r['tokens_per_second']:8.1f} tokens/s  ({r['seconds_per_call']:.3f} s per call, "
-              f"{r['processes']} process(es) x {r['threads_per_process']} thread(s), "
-              f"{r['all_gathers_per_call_rank0']:.0f} all-gathers per call)")  # fmt: skip
+        print(
+            f"{mode:>18}: {r['tokens_per_second']:8.1f} tokens/s  ({r['seconds_per_call']:.3f} s per call, "
+            f"{r['processes']} process(es) x {r['threads_per_process']} thread(s), "
+            f"{r['all_gathers_per_call_rank0']:.0f} all-gathers per call)"
+        )
     ratio = runs["sharded"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
     naive_ratio = runs["naive"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
-    print(f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}")
+    print(
+        f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}"
+    )
     print(f"completions identical across the three runs: {agree}")
     import transformers
 
     report = {
-        "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/generation.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/generation.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, {platform.processor() or platform.system()}",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "prompts": args.prompts, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "runs": runs, "reference": reference, "sharded_over_unsharded": ratio, "naive_over_unsharded": naive_ratio,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "runs": runs,
+        "reference": reference,
+        "sharded_over_unsharded": ratio,
+        "naive_over_unsharded": naive_ratio,
         "completions_identical": agree,
-    }  # fmt: skip
+    }
     out = HERE / "results" / "generation.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -53,7 +53,7 @@ SIZES = {  # model shape: rows per step, tokens per row
 def checkpoint(shape: str, device: str) -> Path:
     from models import llama_path
 
-    from fsdp_peft.tiny import tiny_model_path
+    from fsdp_peft.paths import tiny_model_path
 
     if shape == "tiny":
         return tiny_model_path()
@@ -71,12 +71,26 @@ def checkpoint(shape: str, device: str) -> Path:
 def recipe_yaml(directory: Path, model: Path, method: str, batch: int, seq: int, steps: int) -> Path:
     """The recipe config both implementations follow (also what the planner reads)."""
     values = {
-        "model_name_or_path": str(model), "torch_dtype": "bfloat16", "load_in_4bit": method == "qlora",
-        "bnb_4bit_quant_storage": "bfloat16", **LORA, "max_seq_length": seq, "per_device_train_batch_size": batch,
-        "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}, "bf16": True,
-        "max_steps": steps, "learning_rate": 1e-4, "optim": "adamw_torch", "logging_steps": 1, "report_to": "none",
-        "save_strategy": "no", "output_dir": str(directory / "out"), "disable_tqdm": True, "seed": 0,
-    }  # fmt: skip
+        "model_name_or_path": str(model),
+        "torch_dtype": "bfloat16",
+        "load_in_4bit": method == "qlora",
+        "bnb_4bit_quant_storage": "bfloat16",
+        **LORA,
+        "max_seq_length": seq,
+        "per_device_train_batch_size": batch,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": True,
+        "max_steps": steps,
+        "learning_rate": 1e-4,
+        "optim": "adamw_torch",
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "output_dir": str(directory / "out"),
+        "disable_tqdm": True,
+        "seed": 0,
+    }
     path = directory / "config.yaml"
     path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
     return path
@@ -114,7 +128,7 @@ def run_one(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 
-    from fsdp_peft.config import resolve_recipe_config, build_training_arguments
+    from fsdp_peft.config import build_training_arguments, resolve_recipe_config
     from fsdp_peft.memory import MemoryReport
     from fsdp_peft.modeling import attach_lora, load_base_model, local_device, quantization_config
 
@@ -143,11 +157,18 @@ def run_one(args) -> dict:
         from peft import LoraConfig, get_peft_model
 
         base = AutoModelForCausalLM.from_pretrained(
-            recipe.model_name_or_path, dtype=torch.bfloat16, quantization_config=quantization_config(recipe),
+            recipe.model_name_or_path,
+            dtype=torch.bfloat16,
+            quantization_config=quantization_config(recipe),
             device_map={"": local_device()},
-        )  # fmt: skip
-        lora = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                          target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
+        )
+        lora = LoraConfig(
+            r=recipe.lora_r,
+            lora_alpha=recipe.lora_alpha,
+            lora_dropout=recipe.lora_dropout,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(base, lora)
         make = lambda **kw: Trainer(**kw, callbacks=[timer, memory])  # noqa: E731
     load_seconds = time.perf_counter() - started
@@ -159,7 +180,9 @@ def run_one(args) -> dict:
     trainer = make(model=model, args=training, train_dataset=data, data_collator=default_data_collator)
     trainer.train()
     tokens_per_step = training.per_device_train_batch_size * recipe.max_seq_length
-    timed = [b - a for a, b in zip(timer.times[1:], timer.times[2:])] or [b - a for a, b in zip(timer.times, timer.times[1:])]
+    timed = [b - a for a, b in zip(timer.times[1:], timer.times[2:])] or [
+        b - a for a, b in zip(timer.times, timer.times[1:])
+    ]
     seconds = sorted(timed)[len(timed) // 2] if timed else float("nan")
     report = json.loads((Path(training.output_dir) / "memory.json").read_text())["ranks"][0]
     result = {
@@ -201,12 +224,22 @@ def environment() -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": {"gpu": gpu, "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if gpu else None,
-                     "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-                     "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__},
-    }  # fmt: skip
+        "hardware": {
+            "gpu": gpu,
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if gpu else None,
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__,
+            "peft": peft.__version__,
+            "bitsandbytes": bitsandbytes.__version__,
+        },
+    }
 
 
 def drive(args) -> None:
@@ -217,9 +250,21 @@ def drive(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = ["tiny"] if args.dry_run else args.shapes.split(",")
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
-    report = {**environment(), "command": "bash benchmarks/gpu_check.sh" + (" --dry-run" if args.dry_run else ""),
-              "dry_run": args.dry_run, "settings": {**LORA, "steps": args.steps, "sizes": {s: SIZES[s] for s in shapes},
-              "bf16": True, "gradient_checkpointing": True, "optim": "adamw_torch"}, "runs": [], "skipped": []}  # fmt: skip
+    report = {
+        **environment(),
+        "command": "bash benchmarks/gpu_check.sh" + (" --dry-run" if args.dry_run else ""),
+        "dry_run": args.dry_run,
+        "settings": {
+            **LORA,
+            "steps": args.steps,
+            "sizes": {s: SIZES[s] for s in shapes},
+            "bf16": True,
+            "gradient_checkpointing": True,
+            "optim": "adamw_torch",
+        },
+        "runs": [],
+        "skipped": [],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         path = checkpoint(shape, device)
@@ -235,7 +280,17 @@ def drive(args) -> None:
                     report["skipped"].append(f"{shape}/{method}/{impl}: time budget spent")
                     continue
                 out = directory / f"{impl}.json"
-                command = [sys.executable, __file__, "--one", "--impl", impl, "--config", str(config), "--result", str(out)]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    "--impl",
+                    impl,
+                    "--config",
+                    str(config),
+                    "--result",
+                    str(out),
+                ]
                 try:
                     child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
                     if child.returncode == 0:
@@ -263,9 +318,13 @@ def print_entry(entry: dict) -> None:
 
     gib = lambda v: size(v) if v else "n/a"  # noqa: E731
     mfu = f"{entry['mfu']:.1%}" if entry.get("mfu") else "n/a"
-    print(f"{head} {entry['tokens_per_second']:>9.0f} tok/s  MFU {mfu:>6}  peak {gib(entry['peak_gpu_allocated_bytes'])}"
-          f"  planned {gib(entry['planned']['allocator_bytes'])}  p+g+o {gib(entry['parameter_gradient_optimizer_bytes'])}"
-          f" (planned {gib(entry['planned']['parameter_gradient_optimizer_bytes'])})", flush=True)  # fmt: skip
+    print(
+        f"{head} {entry['tokens_per_second']:>9.0f} tok/s  MFU {mfu:>6}  peak {gib(entry['peak_gpu_allocated_bytes'])}"
+        f"  planned {gib(entry['planned']['allocator_bytes'])}"
+        f"  p+g+o {gib(entry['parameter_gradient_optimizer_bytes'])}"
+        f" (planned {gib(entry['planned']['parameter_gradient_optimizer_bytes'])})",
+        flush=True,
+    )
 
 
 def main() -> None:

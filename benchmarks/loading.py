@@ -39,7 +39,7 @@ LOAD_DTYPE_BYTES = {"lora": 4, "qlora": 2}  # fp32 LoRA; QLoRA loads in bf16 bef
 
 def model_path(name: str) -> Path:
     if name == "tiny":
-        from fsdp_peft.tiny import tiny_model_path
+        from fsdp_peft.paths import tiny_model_path
 
         return Path(tiny_model_path())
     from models import llama_100m_path
@@ -51,7 +51,7 @@ def parameter_count(path: Path) -> int:
     """Parameters in the checkpoint, from the safetensors headers alone."""
     import math
 
-    from fsdp_peft.export import base_tensor_files, read_header
+    from fsdp_peft.safetensors_io import base_tensor_files, read_header
 
     headers = {file: read_header(file) for file in set(base_tensor_files(path).values())}
     entries = [entry for header in headers.values() for key, entry in header.items() if key != "__metadata__"]
@@ -60,13 +60,25 @@ def parameter_count(path: Path) -> int:
 
 def launch(path: Path, kind: str, low_memory: bool, out: Path) -> dict:
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"), "--num_processes", "2",
-        "--main_process_port", str(29700 + (hash((str(path), kind, low_memory)) % 200)),
-        "--fsdp_cpu_ram_efficient_loading", str(low_memory).lower(),
-        str(REPO / "tests" / "distributed" / "loading_check.py"), "--out", str(out), "--model", str(path), "--no-train",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(29700 + (hash((str(path), kind, low_memory)) % 200)),
+        "--fsdp_cpu_ram_efficient_loading",
+        str(low_memory).lower(),
+        str(REPO / "tests" / "distributed" / "loading_check.py"),
+        "--out",
+        str(out),
+        "--model",
+        str(path),
+        "--no-train",
         *(["--qlora"] if kind == "qlora" else []),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -86,8 +98,11 @@ def rss_figures(samples: list[list[tuple[float, int, int]]], field: int = 1) -> 
     for _, rank, growth in events:
         current[rank] = growth
         host_peak = max(host_peak, sum(current))
-    return {"host_peak_mib": host_peak / 2**20, "sum_of_rank_peaks_mib": sum(peaks) / 2**20,
-            "rank_peaks_mib": [p / 2**20 for p in peaks]}  # fmt: skip
+    return {
+        "host_peak_mib": host_peak / 2**20,
+        "sum_of_rank_peaks_mib": sum(peaks) / 2**20,
+        "rank_peaks_mib": [p / 2**20 for p in peaks],
+    }
 
 
 def main() -> None:
@@ -110,12 +125,16 @@ def main() -> None:
                 samples = launch(path, kind, low_memory, out)["rss_samples"]
                 figures, anonymous = rss_figures(samples, field=1), rss_figures(samples, field=2)
                 row = {
-                    "model": name, "parameters": parameters, "kind": kind, "low_memory_loading": low_memory,
-                    "one_copy_mib": one_copy, **figures,
+                    "model": name,
+                    "parameters": parameters,
+                    "kind": kind,
+                    "low_memory_loading": low_memory,
+                    "one_copy_mib": one_copy,
+                    **figures,
                     "host_peak_x_one_copy": figures["host_peak_mib"] / one_copy,
                     "sum_of_rank_peaks_x_one_copy": figures["sum_of_rank_peaks_mib"] / one_copy,
                     "anonymous": {**anonymous, "host_peak_x_one_copy": anonymous["host_peak_mib"] / one_copy},
-                }  # fmt: skip
+                }
                 rows.append(row)
                 print(
                     f"{name:5} {kind:6} {'low-memory' if low_memory else 'ordinary':10} one copy {one_copy:8.1f} MiB | "
@@ -133,9 +152,13 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.system()}",
         "versions": {
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__,
-        },  # fmt: skip
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__,
+            "peft": peft.__version__,
+            "bitsandbytes": bitsandbytes.__version__,
+        },
         "command": "python benchmarks/loading.py " + " ".join(sys.argv[1:]),
         "method": "growth of each rank's RSS (and of its anonymous part, /proc/self/statm resident - shared) over "
         "its value before the model is built, sampled every 2 ms until training begins",

@@ -14,13 +14,31 @@ import os
 from pathlib import Path
 
 LLAMA_SHAPES = {
-    "100m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-             "num_key_value_heads": 12, "vocab_size": 32000},
-    "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-           "num_key_value_heads": 4, "vocab_size": 32000},
-    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "vocab_size": 128256},
-}  # fmt: skip
+    "100m": {
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "vocab_size": 32000,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+    },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+}
 SEED = 0
 
 
@@ -37,9 +55,15 @@ def llama_config(name: str):
 
     tiny = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
     config = AutoConfig.for_model(
-        "llama", **LLAMA_SHAPES[name], max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tiny.bos_token_id, eos_token_id=tiny.eos_token_id, pad_token_id=tiny.pad_token_id,
-    )  # fmt: skip
+        "llama",
+        **LLAMA_SHAPES[name],
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tiny.bos_token_id,
+        eos_token_id=tiny.eos_token_id,
+        pad_token_id=tiny.pad_token_id,
+    )
     config.architectures = ["LlamaForCausalLM"]
     return config
 

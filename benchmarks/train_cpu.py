@@ -77,13 +77,27 @@ def accelerate_config(directory: Path, low_memory_loading: bool) -> Path:
     return path
 
 
-def launch(config: Path, method: str, world: int, launcher: Path | None) -> tuple[list[str], subprocess.CompletedProcess]:
+def launch(
+    config: Path, method: str, world: int, launcher: Path | None
+) -> tuple[list[str], subprocess.CompletedProcess]:
     recipe = str(REPO / "recipes" / f"{RECIPES[method]}.py")
     if world == 1:
         command = [sys.executable, recipe, "--config", str(config)]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher),
-                   "--num_processes", str(world), "--main_process_port", "0", recipe, "--config", str(config)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(launcher),
+            "--num_processes",
+            str(world),
+            "--main_process_port",
+            "0",
+            recipe,
+            "--config",
+            str(config),
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // world)), "TOKENIZERS_PARALLELISM": "false"}
     return command, subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
 
@@ -110,8 +124,14 @@ def run_one(model: str, method: str, world: int, steps: int, low_memory_loading:
     config = write_config(directory, model, method, world, steps)
     launcher = accelerate_config(directory, low_memory_loading) if world > 1 else None
     command, result = launch(config, method, world, launcher)
-    entry = {"model": model, "method": method, "world_size": world, "low_memory_loading": low_memory_loading,
-             "command": " ".join(command), "config": config.read_text()}  # fmt: skip
+    entry = {
+        "model": model,
+        "method": method,
+        "world_size": world,
+        "low_memory_loading": low_memory_loading,
+        "command": " ".join(command),
+        "config": config.read_text(),
+    }
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:") or "Error" in line]
         entry["failed"] = (errors or result.stderr.splitlines() or ["no output"])[-1][:400]
@@ -126,12 +146,20 @@ def run_one(model: str, method: str, world: int, steps: int, low_memory_loading:
         train_seconds=results["train_seconds"],
         step_seconds=results["train_seconds"] / results["steps"],
         tokens_per_second=results["tokens"] / results["train_seconds"],
-        measured={key: largest[key] for key in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
-                                                "parameter_gradient_optimizer_bytes", "quantization_constant_bytes")},
+        measured={
+            key: largest[key]
+            for key in (
+                "parameter_bytes",
+                "gradient_bytes",
+                "optimizer_state_bytes",
+                "parameter_gradient_optimizer_bytes",
+                "quantization_constant_bytes",
+            )
+        },
         peak_rss_bytes_per_rank=[r["peak_rss_bytes"] for r in ranks],
         loading_peak_rss_bytes_per_rank=[r["peak_rss_after_loading_bytes"] for r in ranks],
         planned=planned(config, world, launcher),
-    )  # fmt: skip
+    )
     entry["planner_relative_error"] = {
         key: entry["planned"][key] / entry["measured"][key] - 1
         for key in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "parameter_gradient_optimizer_bytes")
@@ -147,8 +175,14 @@ def versions() -> dict:
     import torch
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__}  # fmt: skip
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "peft": peft.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+    }
 
 
 def mib(value: int) -> str:
@@ -156,17 +190,24 @@ def mib(value: int) -> str:
 
 
 def print_table(runs: list[dict]) -> None:
-    print(f"{'model':<6}{'method':<7}{'ws':>3}{'lowmem':>7}{'step s':>8}{'tok/s':>8}{'p+g+o MiB':>11}"
-          f"{'plan MiB':>10}{'err':>8}{'loadRSS MiB':>13}{'peakRSS MiB':>13}")  # fmt: skip
+    print(
+        f"{'model':<6}{'method':<7}{'ws':>3}{'lowmem':>7}{'step s':>8}{'tok/s':>8}{'p+g+o MiB':>11}"
+        f"{'plan MiB':>10}{'err':>8}{'loadRSS MiB':>13}{'peakRSS MiB':>13}"
+    )
     for r in runs:
         head = f"{r['model']:<6}{r['method']:<7}{r['world_size']:>3}{str(r['low_memory_loading'])[0]:>7}"
         if "failed" in r:
             print(f"{head}  failed: {r['failed']}")
             continue
-        measured, plan = r["measured"]["parameter_gradient_optimizer_bytes"], r["planned"]["parameter_gradient_optimizer_bytes"]
-        print(f"{head}{r['step_seconds']:>8.2f}{r['tokens_per_second']:>8.0f}{mib(measured):>11}{mib(plan):>10}"
-              f"{r['planner_relative_error']['parameter_gradient_optimizer_bytes']:>+8.2%}"
-              f"{mib(max(r['loading_peak_rss_bytes_per_rank'])):>13}{mib(max(r['peak_rss_bytes_per_rank'])):>13}")  # fmt: skip
+        measured, plan = (
+            r["measured"]["parameter_gradient_optimizer_bytes"],
+            r["planned"]["parameter_gradient_optimizer_bytes"],
+        )
+        print(
+            f"{head}{r['step_seconds']:>8.2f}{r['tokens_per_second']:>8.0f}{mib(measured):>11}{mib(plan):>10}"
+            f"{r['planner_relative_error']['parameter_gradient_optimizer_bytes']:>+8.2%}"
+            f"{mib(max(r['loading_peak_rss_bytes_per_rank'])):>13}{mib(max(r['peak_rss_bytes_per_rank'])):>13}"
+        )
 
 
 def ratios(runs: list[dict]) -> dict:
@@ -176,10 +217,17 @@ def ratios(runs: list[dict]) -> dict:
         if one["world_size"] != 1 or "failed" in one:
             continue
         for two in runs:
-            if (two["model"], two["method"], two["world_size"], two["low_memory_loading"]) == (one["model"], one["method"], 2, False) and "failed" not in two:
+            if (two["model"], two["method"], two["world_size"], two["low_memory_loading"]) == (
+                one["model"],
+                one["method"],
+                2,
+                False,
+            ) and "failed" not in two:
                 key = f"{one['model']}/{one['method']}"
-                found[key] = (two["measured"]["parameter_gradient_optimizer_bytes"]
-                              / one["measured"]["parameter_gradient_optimizer_bytes"])  # fmt: skip
+                found[key] = (
+                    two["measured"]["parameter_gradient_optimizer_bytes"]
+                    / one["measured"]["parameter_gradient_optimizer_bytes"]
+                )
     return found
 
 

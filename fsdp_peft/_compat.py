@@ -18,10 +18,15 @@ import importlib.metadata
 import inspect
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 from packaging.version import Version
+from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import StateDictType
 
 from fsdp_peft.errors import ConfigError
 
@@ -276,7 +281,7 @@ def trainer_peft_update_skipped():
     Upstream: transformers 5.24 calls it only when ``delay_optimizer_creation`` (FSDP1).
     Remove when: transformers applies the same PEFT-aware policies under both FSDP versions.
     """
-    import transformers.trainer
+    import transformers.trainer  # lazy: patch target, resolved when patched
 
     original = transformers.trainer.update_fsdp_plugin_peft
     transformers.trainer.update_fsdp_plugin_peft = lambda model, accelerator: None
@@ -302,17 +307,14 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
     Remove when: accelerate selects FSDP1 adapter tensors by unwrapped names and loads optimizer state from
     the checkpoint's metadata.
     """
-    import accelerate.utils.fsdp_utils as fsdp_utils
-    import transformers.trainer
+    import accelerate.utils.fsdp_utils as fsdp_utils  # lazy: patch target, resolved when patched
+    import transformers.trainer  # lazy: patch target, resolved when patched
 
     by_key = {name.replace(f".{adapter}.", "."): name for name in trainable_names}
     original_get, original_set = fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict
     original_load_optimizer = transformers.trainer.load_fsdp_optimizer
 
     def fsdp1_sharded(model, adapter_only: bool, sd_options) -> bool:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
-
         if not adapter_only or sd_options is not None or not isinstance(model, FSDP):  # options mean FSDP2
             return False
         return FSDP.get_state_dict_type(model).state_dict_type == StateDictType.SHARDED_STATE_DICT
@@ -328,17 +330,12 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
             return original_set(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
         missing = sorted(set(by_key) - set(state_dict))
         if missing:
-            raise ConfigError(f"checkpoint lacks {len(missing)} adapter tensors (e.g. {missing[0]}); it cannot be resumed")
+            raise ConfigError(
+                f"checkpoint lacks {len(missing)} adapter tensors (e.g. {missing[0]}); it cannot be resumed"
+            )
         return model.load_state_dict({by_key[key]: value for key, value in state_dict.items()}, strict=False)
 
     def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs):
-        from pathlib import Path
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
-
         if fsdp_plugin.fsdp_version != 1 or fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
             return original_load_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, **kwargs)
         accelerator.wait_for_everyone()
@@ -346,7 +343,9 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
         with FSDP.state_dict_type(model, fsdp_plugin.state_dict_type, *configs):
             reader = dcp.FileSystemReader(str(Path(input_dir) / f"{fsdp_utils.OPTIMIZER_NAME}_0"))
             state = load_sharded_optimizer_state_dict(model.state_dict(), "optimizer", reader)["optimizer"]
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state))
+            optimizer.load_state_dict(
+                FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=state)
+            )
         accelerator.wait_for_everyone()
 
     fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict = get_model_state_dict, set_model_state_dict
@@ -369,8 +368,8 @@ def adapters_created_off_meta():
     Only entered for skeleton models (`fsdp_peft.modeling.attach_lora`); a loaded model never sees it.
     Remove when: peft keeps the adapters of meta base layers materialised.
     """
-    from peft.tuners.lora.model import LoraModel
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.lora.model import LoraModel  # lazy: patch target, resolved when patched
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: patch target, resolved when patched
 
     original_move = BaseTunerLayer._move_adapter_to_device_of_base_layer
     original_replace = LoraModel._replace_module
@@ -407,7 +406,7 @@ def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
     full 4-bit copy while loading).
     Remove when: accelerate's low-memory loading handles bitsandbytes 4-bit (accelerate PR #3987).
     """
-    import accelerate.accelerator as accelerate_module
+    import accelerate.accelerator as accelerate_module  # lazy: patch target, resolved when patched
 
     original = accelerate_module.fsdp2_prepare_model
     accelerate_module.fsdp2_prepare_model = replacement(original)
@@ -442,8 +441,8 @@ def state_switched_to_fsdp(state, fsdp_version: int) -> None:
     DDP. FSDP1 also compares its compute device ``cpu`` with accelerate's ``cpu:0``, so the device is set too.
     Remove when: accelerate supports FSDP on CPU over gloo.
     """
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
+    from accelerate import PartialState  # lazy: patch target, resolved when patched
+    from accelerate.utils import DistributedType  # lazy: patch target, resolved when patched
 
     for values in (state.__dict__, PartialState._shared_state):
         values["distributed_type"] = DistributedType.FSDP

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import warnings
 from pathlib import Path
 
+from fsdp_peft.catalog import copy_shipped, shipped
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
-from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES
 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
 
 
 def _list(args: argparse.Namespace) -> None:
-    from fsdp_peft.catalog import shipped
-
     entries = shipped()
     width = max(len(entry.name) for entry in entries)
     for entry in entries:
@@ -26,8 +25,6 @@ def _list(args: argparse.Namespace) -> None:
 
 
 def _copy(args: argparse.Namespace) -> None:
-    from fsdp_peft.catalog import copy_shipped
-
     target = copy_shipped(args.name, args.dest)
     print(f"copied {args.name} to {target}")
 
@@ -35,8 +32,11 @@ def _copy(args: argparse.Namespace) -> None:
 def launcher_environment(accelerate_config: Path) -> dict[str, str]:
     """The variables ``accelerate launch --config_file accelerate_config`` gives each rank, plus
     ``WORLD_SIZE``: what the FSDP rules read, derived by accelerate's own launch code."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
+    from accelerate.commands.launch import (
+        _validate_launch_command,
+        launch_command_parser,
+    )  # lazy: ls/cp must not import torch
+    from accelerate.utils.launch import prepare_multi_gpu_env  # lazy: ls/cp must not import torch
 
     if not accelerate_config.is_file():
         raise ConfigError(f"--accelerate-config: file not found: {accelerate_config}")
@@ -70,8 +70,8 @@ def _environment(values: dict[str, str]):
 def _validate(args: argparse.Namespace) -> None:
     """The rules see the launch (world size included); ``TrainingArguments`` is then built in this one
     process, as it would refuse to start a process group of several ranks here."""
-    from fsdp_peft.config import build_training_arguments, resolve_recipe_config
-    from fsdp_peft.validation import check_before_training
+    from fsdp_peft.config import build_training_arguments, resolve_recipe_config  # lazy: ls/cp must not import torch
+    from fsdp_peft.validation import check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
@@ -83,19 +83,26 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.export import export_merged  # lazy: ls/cp must not import torch
 
     out = export_merged(
-        args.source, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        base_variant=args.base_variant, overwrite=args.overwrite, verify=args.verify,
-        allow_base_mismatch=args.allow_base_mismatch, force_base_variant=args.force_base_variant,
-    )  # fmt: skip
+        args.source,
+        args.out,
+        base=args.base,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        base_variant=args.base_variant,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        allow_base_mismatch=args.allow_base_mismatch,
+        force_base_variant=args.force_base_variant,
+    )
     print(f"merged model written to {out}")
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from fsdp_peft.inference import run_generate
-    from fsdp_peft.launch import release_process_group, start_process_group
+    from fsdp_peft.inference import run_generate  # lazy: ls/cp must not import torch
+    from fsdp_peft.launch import release_process_group, start_process_group  # lazy: ls/cp must not import torch
 
     start_process_group()
     try:
@@ -106,10 +113,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     """Estimate per-GPU and host memory of a recipe config from the model config alone (no weights)."""
-    import json
-
-    from fsdp_peft.export import parse_size
-    from fsdp_peft.plan import format_plan, plan_memory
+    from fsdp_peft.plan import format_plan, plan_memory  # lazy: ls/cp must not import torch
+    from fsdp_peft.safetensors_io import parse_size  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     with _environment(launcher):
@@ -120,7 +125,7 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _tiny(args: argparse.Namespace) -> None:
-    from fsdp_peft.tiny import tiny_model_path
+    from fsdp_peft.paths import tiny_model_path  # lazy: ls/cp must not import torch
 
     print(tiny_model_path(args.name))
 
@@ -140,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         _add_model_commands(commands)
     args = parser.parse_args(argv)
     if args.command not in CATALOG_COMMANDS:
-        from fsdp_peft._compat import check_upstream
-        from fsdp_peft.log import configure_logging
+        from fsdp_peft._compat import check_upstream  # lazy: ls/cp must not import torch
+        from fsdp_peft.log import configure_logging  # lazy: ls/cp must not import torch
 
         configure_logging(stream="stderr")  # stdout is the command's output (completions, plans, listings)
         try:
@@ -155,28 +160,36 @@ def main(argv: list[str] | None = None) -> None:
 
 def _add_model_commands(commands) -> None:
     """The commands that read configs and models (their parsers need torch and transformers)."""
-    from fsdp_peft.config import GATHER_BUDGET_HELP
-    from fsdp_peft.export import OUTPUT_DTYPES
+    from fsdp_peft.config import GATHER_BUDGET_HELP  # lazy: ls/cp must not import torch
+    from fsdp_peft.export import OUTPUT_DTYPES  # lazy: ls/cp must not import torch
+    from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES  # lazy: ls/cp must not import torch
 
     validate = commands.add_parser(
         "validate", help="check a recipe YAML without loading any weights; every problem at once"
     )
     validate.add_argument("config", type=Path)
     validate.add_argument(
-        "--accelerate-config", type=Path, metavar="FILE",
+        "--accelerate-config",
+        type=Path,
+        metavar="FILE",
         help="also check the FSDP settings of this accelerate config, as `accelerate launch` would pass them",
-    )  # fmt: skip
+    )
     validate.set_defaults(run=_validate)
     plan = commands.add_parser(
-        "plan", help="estimate per-GPU and host memory of a recipe config and whether it fits (exit 1 if not); no weights loaded"
+        "plan",
+        help="estimate per-GPU and host memory of a recipe config and whether it fits (exit 1 if not); "
+        "no weights loaded",
     )
     plan.add_argument("config", type=Path)
     plan.add_argument("--gpus", type=int, metavar="N", help="GPUs (ranks); default: the accelerate config's, else 1")
     plan.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU, e.g. 24GiB or 80GB")
     plan.add_argument(
-        "--accelerate-config", type=Path, metavar="FILE",
-        help="read FSDP settings (offload, activation checkpointing, loading) and world size from this accelerate config",
-    )  # fmt: skip
+        "--accelerate-config",
+        type=Path,
+        metavar="FILE",
+        help="read FSDP settings (offload, activation checkpointing, loading) and world size from this "
+        "accelerate config",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="merge an adapter into its base and write full weights")
@@ -186,13 +199,16 @@ def _add_model_commands(commands) -> None:
     export.add_argument("--dtype", default="bf16", choices=list(OUTPUT_DTYPES))
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
     export.add_argument(
-        "--base-variant", default="exact", choices=["exact", "nf4"],
+        "--base-variant",
+        default="exact",
+        choices=["exact", "nf4"],
         help="merge onto the exact 16-bit base, or onto its NF4 round trip (what QLoRA training saw)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--force-base-variant", action="store_true",
+        "--force-base-variant",
+        action="store_true",
         help="with --base-variant nf4: merge an adapter trained on the 16-bit base onto the NF4 round trip anyway",
-    )  # fmt: skip
+    )
     export.add_argument("--allow-base-mismatch", action="store_true", help=ALLOW_BASE_MISMATCH_HELP)
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     export.add_argument("--verify", action="store_true", help="reload the export and compare logits")
@@ -201,7 +217,9 @@ def _add_model_commands(commands) -> None:
         "generate", help="complete prompts with a trained adapter or merged model (sharded under accelerate launch)"
     )
     generate.add_argument(
-        "source", type=Path, help="merged model directory, adapter directory, Trainer checkpoint, or training output_dir"
+        "source",
+        type=Path,
+        help="merged model directory, adapter directory, Trainer checkpoint, or training output_dir",
     )
     generate.add_argument("--base", help="base model for an adapter (hub id or directory); default: the adapter's own")
     generate.add_argument("--allow-base-mismatch", action="store_true", help=ALLOW_BASE_MISMATCH_HELP)

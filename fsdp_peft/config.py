@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 import re
-import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -22,10 +20,12 @@ import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from fsdp_peft.catalog import shipped_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.yaml_files import load_yaml_file
 from fsdp_peft.families import AUTO_TARGETS
+from fsdp_peft.launch import trainer_fsdp_arguments
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
+from fsdp_peft.yaml_files import load_yaml_file
 
 DTYPES = ("float32", "bfloat16", "float16")
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
@@ -39,10 +39,12 @@ class RecipeArguments:
         default=TINY_MODEL_NAME, metadata={"help": f"hub id or local path; '{TINY_MODEL_NAME}' is the embedded model"}
     )
     trust_remote_code: bool = field(
-        default=False, metadata={"help": "run the model's own Python code from its hub repo (only for models you trust)"}
+        default=False,
+        metadata={"help": "run the model's own Python code from its hub repo (only for models you trust)"},
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "replace the run in output_dir (its checkpoints are removed) instead of refusing"}
+        default=False,
+        metadata={"help": "replace the run in output_dir (its checkpoints are removed) instead of refusing"},
     )
     torch_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of the unquantized weights: {DTYPES}"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits with bitsandbytes"})
@@ -50,7 +52,8 @@ class RecipeArguments:
     bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "quantize the quantization constants"})
     bnb_4bit_compute_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of 4-bit matmuls: {DTYPES}"})
     bnb_4bit_quant_storage: str = field(
-        default="bfloat16", metadata={"help": "dtype the packed 4-bit weights are stored in; must be FSDP's gather dtype"}
+        default="bfloat16",
+        metadata={"help": "dtype the packed 4-bit weights are stored in; must be FSDP's gather dtype"},
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
@@ -73,21 +76,25 @@ class RecipeArguments:
     data_format: str = field(
         default="auto", metadata={"help": "auto (from the columns), prompt_completion, instruction, messages, sharegpt"}
     )
-    eval_split: float = field(default=0.0, metadata={"help": "fraction of train rows held out when no eval data is given"})
+    eval_split: float = field(
+        default=0.0, metadata={"help": "fraction of train rows held out when no eval data is given"}
+    )
     max_seq_length: int = field(default=1024, metadata={"help": "tokens per example (per packed row with packing)"})
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
-    use_chat_template: bool = field(default=True, metadata={"help": "render prompts with the tokenizer's chat template"})
-    fsdp_reduce_dtype: str = field(
-        default="float32", metadata={"help": f"dtype FSDP reduces gradients in: {DTYPES}"}
+    use_chat_template: bool = field(
+        default=True, metadata={"help": "render prompts with the tokenizer's chat template"}
     )
+    fsdp_reduce_dtype: str = field(default="float32", metadata={"help": f"dtype FSDP reduces gradients in: {DTYPES}"})
     export_merged: bool = field(
         default=False, metadata={"help": "after training, write merged full weights to output_dir/merged"}
     )
     export_dtype: str = field(default="bf16", metadata={"help": "dtype of the merged export: bf16, fp16 or fp32"})
-    generate_samples: int = field(default=200, metadata={"help": "held-out prompts to generate after training; 0: none"})
+    generate_samples: int = field(
+        default=200, metadata={"help": "held-out prompts to generate after training; 0: none"}
+    )
     generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
     generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})
     generate_gather_budget: str = field(
@@ -145,8 +152,6 @@ def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
 
 def _include_path(value, including: Path) -> Path:
     """``include:`` is a path relative to the including file, else a shipped config name (``fsdp-peft ls``)."""
-    from fsdp_peft.catalog import shipped_config
-
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{including}: include: expected the path of one YAML file, got {value!r}")
     relative = including.parent / Path(value).expanduser()
@@ -196,8 +201,6 @@ def resolve_recipe_config(
 
 def build_training_arguments(training_values: dict, source: Path) -> TrainingArguments:
     """``TrainingArguments`` from resolved values; its own refusals become `ConfigError`s naming ``source``."""
-    from fsdp_peft.launch import trainer_fsdp_arguments
-
     try:
         return TrainingArguments(**{**training_values, **trainer_fsdp_arguments(training_values)})
     except (ValueError, TypeError) as error:

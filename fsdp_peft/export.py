@@ -1,8 +1,9 @@
 """Merged full-weight export: a base checkpoint plus a LoRA adapter, as a plain Hugging Face model directory.
 
-The base safetensors are streamed tensor by tensor (plain reads, not memory maps); each adapted weight gets ``W + scale * B @ A``
-(computed in fp32, rounded once to the output dtype) and output shards are written as they fill, so
-peak host memory is about the largest tensor plus the adapter, whatever the model and shard size. The merge is
+The base safetensors are streamed tensor by tensor (plain reads, not memory maps: `fsdp_peft.safetensors_io`);
+each adapted weight gets ``W + scale * B @ A`` (computed in fp32, rounded once to the output dtype) and
+output shards are written as they fill, so peak host memory is about the largest tensor plus the adapter,
+whatever the model and shard size. The merge is
 always onto the 16-bit base, never into re-quantized 4-bit weights; ``base_variant="nf4"`` instead
 merges onto the NF4 round trip of the base, the weights a QLoRA adapter was trained against.
 
@@ -32,13 +33,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import bitsandbytes.functional as bnb_functional
 import torch
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import snapshot_download
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors import safe_open
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
-from fsdp_peft.tiny import resolve_model_path
+from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.safetensors_io import (
+    SAFETENSORS_DTYPES,
+    StreamingShardWriter,
+    base_tensor_files,
+    parse_size,
+    read_header,
+    read_tensors,
+)
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
@@ -47,10 +63,20 @@ BASE_FILE = "fsdp_peft_base.json"
 # config of multimodal models). Not dtype, quantization_config, use_cache, _name_or_path or
 # transformers_version: a 4-bit load or a bf16 copy of a base is the same base.
 BASE_FINGERPRINT_FIELDS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
-    "num_experts", "num_local_experts", "moe_intermediate_size",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+)
 WRITER_LOCK = ".fsdp_peft_writer.lock"
 PEFT_PREFIX = "base_model.model."
 DCP_DIR = "pytorch_model_fsdp_0"
@@ -106,9 +132,6 @@ def _check_adapter_config(config: dict, origin: Path) -> None:
 
 def read_sharded_adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Adapter tensors from a Trainer checkpoint's sharded FSDP state (DCP), without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = dcp.FileSystemReader(str(checkpoint / DCP_DIR))
     metadata = reader.read_metadata().state_dict_metadata
     state = {
@@ -165,20 +188,7 @@ def resolve_base(adapter: Adapter, base: str | None) -> Path:
         return Path(name)
     if Path(name).exists() or name.startswith(("/", "./", "../")):
         raise ConfigError(f"--base: directory not found: {name}")
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
-
-
-def base_tensor_files(base: Path) -> dict[str, Path]:
-    """``{tensor key: safetensors file}`` for the base checkpoint (sharded with an index, or single)."""
-    index = base / "model.safetensors.index.json"
-    if index.is_file():
-        return {key: base / name for key, name in json.loads(index.read_text())["weight_map"].items()}
-    single = base / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"--base: {base} holds no safetensors checkpoint (model.safetensors or its index)")
-    return {key: single for key in read_header(single) if key != "__metadata__"}
 
 
 def check_adapter_fits_base(deltas: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
@@ -252,11 +262,11 @@ def base_mismatch(trained: dict, given: dict, given_name: str) -> str | None:
 
 def check_trained_base(adapter: Adapter, base_dir: Path, allow_mismatch: bool = False) -> None:
     """Refuse a base other than the one the adapter was trained on: names and shapes can match across architectures."""
-    from transformers import AutoConfig
-
     if not adapter.base:
-        tell(f"note: {adapter.origin} has no {BASE_FILE} (older fsdp-peft run or plain peft adapter): "
-             f"its base could not be checked against {base_dir}")  # fmt: skip
+        tell(
+            f"note: {adapter.origin} has no {BASE_FILE} (older fsdp-peft run or plain peft adapter): "
+            f"its base could not be checked against {base_dir}"
+        )
         return
     if not (base_dir / "config.json").is_file():
         raise ConfigError(f"--base: {base_dir} has no config.json; pass the model directory the adapter was trained on")
@@ -283,8 +293,10 @@ def check_base_variant(adapter: Adapter, base_variant: str, force: bool = False)
     if base_variant != "nf4" or trained_4bit:
         return
     if trained_4bit is None:
-        tell(f"note: --base-variant nf4: {adapter.origin} has no {RECIPE_FILE}, so whether it was trained on a "
-             "4-bit base is unknown; merging onto the NF4 round trip, as asked")  # fmt: skip
+        tell(
+            f"note: --base-variant nf4: {adapter.origin} has no {RECIPE_FILE}, so whether it was trained on a "
+            "4-bit base is unknown; merging onto the NF4 round trip, as asked"
+        )
         return
     recorded = "load_in_4bit: false" if "load_in_4bit" in adapter.recipe else "no load_in_4bit"
     problem = f"adapter {adapter.origin} was trained on the 16-bit base (its {RECIPE_FILE} has {recorded})"
@@ -343,15 +355,15 @@ def remove_stale_staging(out: Path) -> int:
     total = sum(removed.values())
     if removed:
         plural = "directory" if len(removed) == 1 else "directories"
-        tell(f"[fsdp-peft] removed {len(removed)} stale staging {plural} of {out} left by an interrupted export "
-             f"({', '.join(removed)}): freed {total} bytes ({total / 2**20:.1f} MiB)")  # fmt: skip
+        tell(
+            f"[fsdp-peft] removed {len(removed)} stale staging {plural} of {out} left by an interrupted export "
+            f"({', '.join(removed)}): freed {total} bytes ({total / 2**20:.1f} MiB)"
+        )
     return total
 
 
 def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
     """The weight as QLoRA training saw it: cast to the load dtype, 4-bit quantized, dequantized."""
-    import bitsandbytes.functional as bnb_functional
-
     load_dtype = getattr(torch, recipe.get("torch_dtype", "bfloat16"))
     storage = getattr(torch, recipe.get("bnb_4bit_quant_storage", "bfloat16"))
     packed, state = bnb_functional.quantize_4bit(
@@ -367,112 +379,6 @@ def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
 def is_quantized_in_training(key: str, tensor: torch.Tensor) -> bool:
     """bitsandbytes quantizes the linear layers inside decoder layers (2-D weights under ``layers.``)."""
     return tensor.dim() == 2 and ".layers." in key and key.endswith(".weight")
-
-
-def parse_size(text: str, key: str = "--max-shard-size") -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes as an integer; errors name ``key``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"{key}: '{text}' is not a size like 5GB, 500MB or 2GiB")
-    unit = (match[2] or "B").upper()
-    powers = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return int(float(match[1]) * powers[unit])
-
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-
-def read_header(path: Path) -> dict:
-    """A safetensors file's header: ``{key: {"dtype", "shape", "data_offsets"}}`` (and ``__metadata__``)."""
-    with open(path, "rb") as handle:
-        return json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-
-
-def read_tensors(path: Path, keys: list[str]):
-    """Yield ``(key, tensor)`` from a safetensors file with plain reads, one tensor in memory at a time.
-
-    Memory-mapping (``safe_open``) would keep every page read so far resident for as long as the file
-    is open, which on a multi-gigabyte shard is most of the export's memory.
-    """
-    with open(path, "rb") as handle:
-        header_size = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_size))
-        for key in keys:
-            entry = header[key]
-            start, end = entry["data_offsets"]
-            handle.seek(8 + header_size + start)
-            data = bytearray(handle.read(end - start))
-            tensor = torch.frombuffer(data, dtype=SAFETENSORS_DTYPES[entry["dtype"]]) if data else torch.empty(0)
-            yield key, tensor.reshape(entry["shape"])
-
-
-class StreamingShardWriter:
-    """Writes safetensors shards tensor by tensor, straight to disk, in a layout planned up front.
-
-    Every output key, shape and dtype is known from the base headers before anything is merged, so
-    each shard's header is written first and tensors follow as they are produced: nothing but the
-    tensor in hand is held in memory, whatever the shard size.
-    """
-
-    def __init__(self, directory: Path, layout: list[tuple[str, list[int], torch.dtype]], max_bytes: int):
-        self.directory = directory
-        self.shards: list[list[tuple[str, list[int], torch.dtype]]] = [[]]
-        size = 0
-        for key, shape, dtype in layout:
-            nbytes = math.prod(shape) * dtype.itemsize
-            if self.shards[-1] and size + nbytes > max_bytes:
-                self.shards.append([])
-                size = 0
-            self.shards[-1].append((key, shape, dtype))
-            size += nbytes
-        self.names = (
-            ["model.safetensors"]
-            if len(self.shards) == 1
-            else [f"model-{n + 1:05d}-of-{len(self.shards):05d}.safetensors" for n in range(len(self.shards))]
-        )
-        self.order = [(shard, entry) for shard, entries in enumerate(self.shards) for entry in entries]
-        self.position, self.handle, self.total = 0, None, 0
-
-    def _open(self, shard: int) -> None:
-        if self.handle:
-            self.handle.close()
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for key, shape, dtype in self.shards[shard]:
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
-        self.handle = open(self.directory / self.names[shard], "wb")
-        self.handle.write(len(encoded).to_bytes(8, "little") + encoded)
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        shard, (expected, shape, dtype) = self.order[self.position]
-        if key != expected or list(tensor.shape) != shape or tensor.dtype != dtype:
-            raise RuntimeError(f"export: got {key} {list(tensor.shape)} {tensor.dtype}, planned {expected} {shape} {dtype}")
-        if self.position == 0 or shard != self.order[self.position - 1][0]:
-            self._open(shard)
-        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-        self.total += tensor.numel() * tensor.element_size()
-        self.position += 1
-
-    def finish(self) -> None:
-        """Close the last shard and, for several shards, write Hugging Face's index."""
-        if self.handle:
-            self.handle.close()
-        if self.position != len(self.order):
-            raise RuntimeError(f"export: wrote {self.position} of {len(self.order)} planned tensors")
-        if len(self.shards) > 1:
-            weight_map = {key: self.names[shard] for shard, (key, _, _) in self.order}
-            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def output_layout(base_files: dict[str, Path], out_dtype: torch.dtype) -> list[tuple[str, list[int], torch.dtype]]:
@@ -495,8 +401,6 @@ def _keys_by_file(base_files: dict[str, Path]) -> dict[Path, list[str]]:
 
 def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: str, progress: bool):
     """Yield ``(key, merged fp32 tensor)`` for every base tensor, reading one tensor at a time."""
-    from tqdm.auto import tqdm
-
     deltas = adapter.deltas_by_base_key()
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
         for path, keys in _keys_by_file(base_files).items():
@@ -538,8 +442,6 @@ def export_merged(
 
     Every check runs before anything is written; only then are stale staging directories of ``out`` removed.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     out = Path(out)
     if dtype not in OUTPUT_DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(OUTPUT_DTYPES)}")
@@ -621,9 +523,6 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
 
 def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_variant: str, dtype: str) -> str:
     """Reload the export and compare its logits with base + adapter (fp32) on a few prompts."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(directory)
     prompts = ["The capital of France is", "reverse: abcde", "def fibonacci(n):"]
     merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -646,4 +545,6 @@ def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_varian
     tolerance = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}[dtype]
     if worst > tolerance:
         raise RuntimeError(f"verify: exported logits differ from base + adapter by {worst:.3e} > {tolerance:g}")
-    return f"verify: largest logit difference to base + adapter on {len(prompts)} prompts: {worst:.3e} (<= {tolerance:g})"
+    return (
+        f"verify: largest logit difference to base + adapter on {len(prompts)} prompts: {worst:.3e} (<= {tolerance:g})"
+    )

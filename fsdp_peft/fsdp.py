@@ -19,8 +19,11 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback, TrainingArguments
 
 from fsdp_peft._compat import state_switched_to_fsdp
@@ -90,8 +93,6 @@ def unpinned_cpu_offload(plugin: FullyShardedDataParallelPlugin) -> None:
     Shards, gradients and optimizer state then stay on the CPU, as offloading keeps them on GPUs, and
     FSDP runs its offloading code path (copies to the CPU are no-ops here).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     if plugin.fsdp_version == 2 and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
@@ -106,8 +107,6 @@ def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
 
 def gathered_from_every_rank(value) -> list:
     """``value`` of every rank, in rank order (``[value]`` without a process group); collective."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     values = [None] * dist.get_world_size()
@@ -122,8 +121,6 @@ def unit_name(name: str) -> str:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether any module of ``model`` is an FSDP unit (its forwards then need every rank)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
     return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
@@ -133,8 +130,6 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
     An FSDP2 unit can span several modules (one ``fully_shard`` call on a list, as accelerate does for
     tied embeddings and head): those are joined with ``+``.
     """
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
     units: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
@@ -146,8 +141,6 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
 
 def device_mesh_layout(model: torch.nn.Module) -> dict | None:
     """The FSDP2 device mesh: dimension names, sizes, and the global ranks laid out along them (HSDP: 2-D)."""
-    from torch.distributed.tensor import DTensor
-
     for parameter in model.parameters():
         if isinstance(parameter, DTensor):
             mesh = parameter.device_mesh
@@ -162,8 +155,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def parameter_layout(model: torch.nn.Module) -> list[dict]:
     """Per stored parameter (FSDP1: per flat parameter): dtype, trainable, full and local shape, placement."""
-    from torch.distributed.tensor import DTensor
-
     layout = []
     for name, parameter in model.named_parameters():
         is_dtensor = isinstance(parameter, DTensor)

@@ -19,13 +19,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from fsdp_peft.data import Example, render_example_prompt
 from fsdp_peft.fsdp import gathered_from_every_rank, is_sharded
 from fsdp_peft.log import logger
+from fsdp_peft.safetensors_io import parse_size
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,9 @@ class GenerationSettings:
 
     @classmethod
     def from_recipe(cls, recipe) -> GenerationSettings:
-        return cls(recipe.generate_max_new_tokens, recipe.generate_batch_size, gather_budget=recipe.generate_gather_budget)
+        return cls(
+            recipe.generate_max_new_tokens, recipe.generate_batch_size, gather_budget=recipe.generate_gather_budget
+        )
 
     def sampling_kwargs(self) -> dict:
         if not self.do_sample:
@@ -52,8 +57,6 @@ class GenerationSettings:
 
 def parse_gather_budget(text: str) -> int | None:
     """Bytes of gathered units ``generate`` may keep: ``None`` for all, 0 for none, else a size."""
-    from fsdp_peft.export import parse_size
-
     value = str(text).strip().lower()
     if value == "all":
         return None
@@ -68,8 +71,6 @@ def _free_memory() -> int:
     """Free memory on this rank's device: the accelerator's, else the host's available RAM."""
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
-    import psutil
-
     return psutil.virtual_memory().available
 
 
@@ -80,8 +81,6 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _fsdp2_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 

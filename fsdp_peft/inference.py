@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import get_peft_config, get_peft_model, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
@@ -28,6 +30,7 @@ from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, f
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
+from fsdp_peft.policies import shard_for_generation
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
 
@@ -57,8 +60,6 @@ def load_for_generation(
 
     An adapter's recorded base is checked against the one it is loaded onto (`check_trained_base`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = Path(source)
     if not source.exists():
         raise ConfigError(f"SOURCE: {source} does not exist")
@@ -94,8 +95,6 @@ def _tokenizer(tokenizer):
 
 def attach_trained_adapter(model, adapter):
     """Wrap ``model`` in the adapter's LoRA layers and load its tensors; every tensor must find its place."""
-    from peft import get_peft_config, get_peft_model, set_peft_model_state_dict
-
     config = get_peft_config({k: v for k, v in adapter.config.items() if k != "base_model_name_or_path"})
     peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
     result = set_peft_model_state_dict(peft_model, adapter.tensors)
@@ -118,7 +117,9 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
             raise ConfigError(f"--prompts-file: file not found: {prompts_file}")
         lines, where = prompts_file.read_text().splitlines(), str(prompts_file)
     elif sys.stdin.isatty():
-        raise ConfigError("no prompts: give --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin (one per line)")
+        raise ConfigError(
+            "no prompts: give --prompt TEXT, --prompts-file FILE, or pipe prompts on stdin (one per line)"
+        )
     else:
         lines, where = sys.stdin.read().splitlines(), "stdin"
     if where.endswith(".jsonl"):
@@ -137,10 +138,6 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
 
 def run_generate(args) -> None:
     """The ``generate`` command: load, (shard), generate, print on rank 0."""
-    from transformers import TextStreamer, set_seed
-
-    from fsdp_peft.policies import shard_for_generation
-
     if args.greedy and (args.temperature is not None or args.top_p is not None):
         raise ConfigError("--greedy and --temperature/--top-p exclude each other: drop --greedy to sample")
     prompts = read_prompts(args.prompt, args.prompts_file)

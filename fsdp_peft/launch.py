@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.yaml_files import load_yaml_file
 
@@ -35,13 +38,24 @@ AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 BOOLEAN_KEYS = (
-    "cpu_offload", "activation_checkpointing", "cpu_ram_efficient_loading", "use_orig_params",
-    "sync_module_states", "forward_prefetch", "limit_all_gathers",
-)  # fmt: skip
+    "cpu_offload",
+    "activation_checkpointing",
+    "cpu_ram_efficient_loading",
+    "use_orig_params",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+)
 FSDP_CONFIG_KEYS = (
-    "version", "reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params",
-    "state_dict_type", "backward_prefetch", *BOOLEAN_KEYS,
-)  # fmt: skip
+    "version",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "min_num_params",
+    "state_dict_type",
+    "backward_prefetch",
+    *BOOLEAN_KEYS,
+)
 ACCELERATE_SPELLINGS = {  # accelerate's key (``fsdp_`` prefix dropped) -> the transformers fsdp_config key
     "offload_params": "cpu_offload",
     "sharding_strategy": "reshard_after_forward",
@@ -115,9 +129,6 @@ class FsdpSettings:
 def start_process_group() -> None:
     """Join the launcher's process group (NCCL on GPUs, gloo on the CPU) unless one exists, and make sure it
     is torn down before the interpreter ends, whatever happens (`release_process_group` at exit)."""
-    import torch
-    import torch.distributed as dist
-
     atexit.register(release_process_group)
     if dist.is_initialized() or ranks().world_size < 2:
         return
@@ -133,8 +144,6 @@ def release_process_group() -> None:
     the process aborts after a finished run ("terminate called without an active exception", SIGABRT),
     which the launcher reports as a failure.
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -277,7 +286,11 @@ def _checked_value(name: str, value, key: str):
         return int(str(value).strip())
     if name == "transformer_layer_cls_to_wrap":
         names = value.split(",") if isinstance(value, str) else value
-        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        if (
+            not isinstance(names, (list, tuple))
+            or not names
+            or not all(isinstance(n, str) and n.strip() for n in names)
+        ):
             raise ConfigError(f"fsdp_config: {key}: expected a class name or a list of them, got {value!r}")
         return [n.strip() for n in names]
     if name == "reshard_after_forward":

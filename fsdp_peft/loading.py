@@ -18,18 +18,27 @@ broadcasts, and it skips the path entirely when bitsandbytes ``Params4bit`` are 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.quantizers import AutoHfQuantizer
 
 from fsdp_peft._compat import fsdp2_prepare_model_replaced
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings, ranks
 from fsdp_peft.log import logger
+from fsdp_peft.safetensors_io import base_tensor_files, read_tensors
 
-PENDING = "_fsdp_peft_pending_checkpoint"
-CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names  # set on a skeleton model: where its weights will come from
+PENDING = "_fsdp_peft_pending_checkpoint"  # set on a skeleton model: where its weights will come from
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names
 
 
 def low_memory_loading_requested(training=None) -> bool:
@@ -48,9 +57,6 @@ def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None, trus
     Non-persistent buffers (rotary frequencies) are real: they are computed, not loaded. 4-bit layers get
     a meta ``Params4bit`` of the packed shape, as FSDP will shard it.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -65,8 +71,7 @@ def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None, trus
 
 def _quantize_skeleton(model, quantization, dtype: torch.dtype) -> None:
     """transformers' own module replacement (``Linear4bit``), then meta packed weights of the final shape."""
-    import bitsandbytes as bnb
-    from transformers.quantizers import AutoHfQuantizer
+    import bitsandbytes as bnb  # lazy: only 4-bit layers need bitsandbytes
 
     quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
     quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
@@ -103,10 +108,6 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
 
     Rank 0 reads, converts and scatters one tensor at a time; nobody holds more than one full tensor.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from fsdp_peft.export import read_tensors
-
     rank = dist.get_rank()
     missing, seen = {}, set()
     for name, value in model.state_dict(keep_vars=True).items():
@@ -165,13 +166,9 @@ def reading_plan(
     Largest first: their transient full copies on rank 0 then meet few shards already held. A hub id is
     resolved to its downloaded snapshot (downloaded now, by rank 0 only, when absent).
     """
-    from fsdp_peft.export import base_tensor_files
-
     path = Path(name).expanduser()
     try:
         if not path.is_dir():
-            from huggingface_hub import snapshot_download
-
             path = Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json"]))
         files = base_tensor_files(path)
     except (ConfigError, OSError, ValueError) as error:
@@ -199,9 +196,6 @@ def release_freed_host_memory() -> None:
     in its heap; one full tensor read, scattered and freed after another would otherwise stay resident
     on rank 0 and add up to a full copy of the model.
     """
-    import ctypes
-    import ctypes.util
-
     global _malloc_trim
     if _malloc_trim is None:
         try:
@@ -220,7 +214,7 @@ def _convert(tensor: torch.Tensor, dtype: torch.dtype, quantize: tuple | None, d
     packed weight and its quant state, quantized on this rank's device as bitsandbytes does it there."""
     if quantize is None:
         return tensor.to(device=device, dtype=dtype), None
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # lazy: only 4-bit layers need bitsandbytes
 
     settings, load_dtype = quantize
     weight = bnb.nn.Params4bit(tensor.to(load_dtype), requires_grad=False, **{**settings, "module": None})
@@ -249,8 +243,6 @@ def weights_loaded_after_sharding(model: torch.nn.Module, accelerator):
     if pending_checkpoint(model) is None:
         yield
         return
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     plugin = accelerator.state.fsdp_plugin
     if plugin is None or plugin.fsdp_version != 2:
         raise ConfigError(

@@ -3,7 +3,8 @@
 Levels follow the Trainer's own arguments: ``log_level`` on the main process (``passive``: info) and
 ``log_level_replica`` on the others (default ``warning``, so replicas stay quiet); with ``log_on_each_node``
 the first process of each node counts as main, as for Trainer's logs. Status lines go to stdout in recipes and
-to stderr in commands whose stdout is their product (``generate``, ``export``); warnings always go to stderr. Program output (completions, plans,
+to stderr in commands whose stdout is their product (``generate``, ``export``); warnings always go to stderr.
+Program output (completions, plans,
 listings) and one-line user errors (`fsdp_peft.errors`) are not log messages.
 """
 
@@ -16,8 +17,14 @@ from typing import TextIO
 from fsdp_peft.launch import ranks
 
 logger = logging.getLogger("fsdp_peft")
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-          "critical": logging.CRITICAL, "passive": logging.INFO}  # fmt: skip
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "passive": logging.INFO,
+}
 
 
 class _Formatter(logging.Formatter):

@@ -15,6 +15,7 @@ import resource
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from fsdp_peft.fsdp import gathered_from_every_rank
@@ -25,8 +26,6 @@ MEMORY_FILE = "memory.json"
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank stores: its shard for a DTensor, else the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

@@ -6,14 +6,22 @@ import contextlib
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel, TrainingArguments
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    TrainingArguments,
+)
 
 from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.loading import pending_checkpoint
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
-from fsdp_peft.tiny import resolve_model_path
+from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
+from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.validation import mixed_precision_dtype
 
 
@@ -26,8 +34,6 @@ def local_device() -> torch.device:
 
 def load_tokenizer(recipe: RecipeArguments):
     """The model's tokenizer, with a pad token (the family's choice, else EOS, when the model defines none)."""
-    from transformers import AutoConfig
-
     path = resolve_model_path(recipe.model_name_or_path)
     remote = recipe.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
@@ -61,8 +67,6 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     Under FSDP2 with ``cpu_ram_efficient_loading`` it is a weightless skeleton instead: the weights
     arrive, shard by shard from rank 0, once FSDP has sharded it (`fsdp_peft.loading`).
     """
-    from fsdp_peft.loading import low_memory_loading_requested, model_skeleton
-
     device = local_device()
     if low_memory_loading_requested(training):
         path = resolve_model_path(recipe.model_name_or_path)
@@ -91,8 +95,6 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     Adapter weights stay in fp32 (master weights) when a bf16/fp16 mixed-precision policy casts them for
     compute; without one they take the base dtype, so an FSDP unit never mixes parameter dtypes.
     """
-    from peft import LoraConfig, get_peft_model
-
     config = LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,

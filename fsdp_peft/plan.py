@@ -18,11 +18,21 @@ The verdict names the switches that would make a config fit and what each saves.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from fsdp_peft.config import resolve_recipe_config
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import family_for, lora_targets
+from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.policies import decoder_layer_classes
+from fsdp_peft.validation import mixed_precision_dtype
 
 GIB = 2**30
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 values
@@ -126,11 +136,6 @@ def quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str)
 
 def meta_peft_model(model_config, recipe):
     """The model with the recipe's LoRA adapters, on the meta device: shapes without memory."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from fsdp_peft.families import family_for, lora_targets
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=recipe.trust_remote_code)
         lora = LoraConfig(
@@ -145,8 +150,6 @@ def meta_peft_model(model_config, recipe):
 
 def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None, gather_bytes: int) -> ModelCounts:
     """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them."""
-    from fsdp_peft.policies import decoder_layer_classes
-
     base_bytes, adapter_bytes = storage_dtype_bytes(recipe, mixed_precision)
     storage_bytes = DTYPE_BYTES.get(recipe.bnb_4bit_quant_storage, 1)
     inner = peft_model.get_base_model()
@@ -178,7 +181,8 @@ def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None
             counts.base_bytes += shard_numel(tuple(parameter.shape), world_size) * base_bytes
     if layers:
         counts.layer_gathered_bytes = sum(
-            (math.ceil(p.numel() / 2) if id(p) in quantized else p.numel() * gather_bytes) for p in layers[0].parameters()
+            (math.ceil(p.numel() / 2) if id(p) in quantized else p.numel() * gather_bytes)
+            for p in layers[0].parameters()
         )
     others = [m for m in (inner.get_input_embeddings(), head) if m is not None]
     counts.largest_other_unit_gathered_bytes = max((m.weight.numel() * gather_bytes for m in others), default=0)
@@ -230,10 +234,6 @@ def activation_bytes(model_config, recipe, tokens: int, compute_bytes: int, chec
 
 def load_model_config(name: str, trust_remote_code: bool = False):
     """The model's config only: embedded tiny models, local directories, or hub ids (downloaded config)."""
-    from transformers import AutoConfig
-
-    from fsdp_peft.tiny import resolve_model_path
-
     path = resolve_model_path(name)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -255,13 +255,6 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     FSDP and mixed-precision settings come from the YAML or, under an accelerate config, from the
     ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
     """
-    import os
-    from pathlib import Path
-
-    from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.launch import fsdp_settings
-    from fsdp_peft.validation import mixed_precision_dtype
-
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 1:
@@ -287,10 +280,20 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
     plan = MemoryPlan(
-        config=str(config_path), model=recipe.model_name_or_path, world_size=ranks, gpu_memory_bytes=gpu_memory,
-        fsdp=fsdp, mixed_precision=mixed, load_in_4bit=recipe.load_in_4bit, tokens_per_rank=tokens,
-        activation_checkpointing=checkpointing, offload_params=offload, optimizer=optim, counts=counts, notes=notes,
-    )  # fmt: skip
+        config=str(config_path),
+        model=recipe.model_name_or_path,
+        world_size=ranks,
+        gpu_memory_bytes=gpu_memory,
+        fsdp=fsdp,
+        mixed_precision=mixed,
+        load_in_4bit=recipe.load_in_4bit,
+        tokens_per_rank=tokens,
+        activation_checkpointing=checkpointing,
+        offload_params=offload,
+        optimizer=optim,
+        counts=counts,
+        notes=notes,
+    )
     resident = dict(zip(RESIDENT_ROWS, (counts.base_bytes, counts.adapter_bytes, counts.adapter_bytes, optimizer)))
     plan.gpu = {name: 0 if offload else value for name, value in resident.items()}
     plan.gpu["quantization constants (whole)"] = counts.quantization_constant_bytes
@@ -330,7 +333,9 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         found.append({"switch": "load_in_4bit: true (QLoRA recipe)", "saves": int(saved)})
     if not low_memory and plan.world_size > 1:
         saved = full_model_bytes * (plan.world_size - 1)
-        found.append({"switch": "fsdp_cpu_ram_efficient_loading: true (host RAM while loading)", "saves": saved, "host": True})
+        found.append(
+            {"switch": "fsdp_cpu_ram_efficient_loading: true (host RAM while loading)", "saves": saved, "host": True}
+        )
     return sorted(found, key=lambda s: (s.get("host", False), -s["saves"]))
 
 
@@ -361,8 +366,10 @@ def format_plan(plan: MemoryPlan) -> str:
     c = plan.counts
     lines = [
         f"memory plan for {plan.config}: {plan.model}, {plan.world_size} GPU(s) x {budget(plan.gpu_memory_bytes)}, "
-        f"{plan.fsdp}, mixed precision {plan.mixed_precision or 'none'}, {'QLoRA (4-bit base)' if plan.load_in_4bit else 'LoRA'}",
-        f"  base parameters {c.base_parameters:,}; adapter parameters {c.adapter_parameters:,}; optimizer {plan.optimizer}; "
+        f"{plan.fsdp}, mixed precision {plan.mixed_precision or 'none'}, "
+        f"{'QLoRA (4-bit base)' if plan.load_in_4bit else 'LoRA'}",
+        f"  base parameters {c.base_parameters:,}; adapter parameters {c.adapter_parameters:,}; "
+        f"optimizer {plan.optimizer}; "
         f"{plan.tokens_per_rank:,} tokens per rank per micro-batch; activation checkpointing "
         f"{'on' if plan.activation_checkpointing else 'off'}; offload {'on' if plan.offload_params else 'off'}",
         "",

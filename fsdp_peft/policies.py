@@ -6,7 +6,8 @@ decides, before the model is prepared:
 
 - **units**: every decoder layer (the config's ``transformer_layer_cls_to_wrap``, else the family's
   decoder layer class, else ``_no_split_modules``) is a unit, whatever wrap policy was configured;
-  ``SIZE_BASED_WRAP`` is refused in `fsdp_peft.validation` under both versions. FSDP1 also gives every trainable adapter leaf a unit
+  ``SIZE_BASED_WRAP`` is refused in `fsdp_peft.validation` under both versions. FSDP1 also gives every
+  trainable adapter leaf a unit
   of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
   untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
   per parameter, and accelerate already carves the untied embeddings and the final norm + head.
@@ -23,7 +24,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp.wrap import (
+    _or_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 from fsdp_peft.families import family_of_model
 
@@ -52,8 +63,6 @@ def embeddings_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], 
 
 def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type]):
     """FSDP1 policy: decoder layers, each trainable adapter leaf, and untied embeddings / head."""
-    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
-
     modules, tied = embeddings_and_head(model)
     own_units = set() if tied else {id(m) for m in modules}
 
@@ -76,18 +85,12 @@ def mixed_precision_policy(fsdp_version: int, mixed_precision: str, reduce_dtype
     """Gather and compute in the mixed-precision dtype, reduce in ``reduce_dtype``, leave buffers alone."""
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     if fsdp_version == 2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-    from torch.distributed.fsdp import MixedPrecision
-
     return MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None, cast_forward_inputs=True)
 
 
 def configure_fsdp_for_peft(model: torch.nn.Module, accelerator: Accelerator, reduce_dtype: torch.dtype) -> None:
     """Set the FSDP plugin's wrap and mixed-precision policies for ``model`` (a PEFT model)."""
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
     state = accelerator.state
     plugin = state.fsdp_plugin
     layer_classes = decoder_layer_classes(model, plugin.transformer_cls_names_to_wrap)
@@ -106,8 +109,6 @@ def register_generate(model: torch.nn.Module) -> None:
 
     Under FSDP2 `Trainer` registers ``generate`` as an FSDP forward method; nothing to do here.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     root = getattr(model, "_orig_mod", model)  # under torch_compile, FSDP1 wraps the compiled module's original
     if not isinstance(root, FSDP) or "generate" in vars(root):
         return
@@ -126,10 +127,6 @@ def shard_for_generation(model: torch.nn.Module, device: torch.device) -> torch.
 
     ``generate`` is registered as an FSDP forward method, as `Trainer` does after preparing a model.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layer_classes = tuple(decoder_layer_classes(model))
     for module in list(model.modules()):

@@ -16,17 +16,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import set_seed
+from transformers import TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_peft._compat import check_upstream
-from fsdp_peft.config import build_training_arguments, resolved_config_yaml, resolve_recipe_config
+from fsdp_peft.config import RecipeArguments, build_training_arguments, resolve_recipe_config, resolved_config_yaml
 from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
-from fsdp_peft.launch import ranks, release_process_group
-from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
-from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.export import export_merged
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer, resolve_model_path
+from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
+from fsdp_peft.launch import ranks, release_process_group
+from fsdp_peft.log import configure_for_training, logger
+from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 from fsdp_peft.validation import check_before_training
@@ -110,8 +112,14 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     )
     merged_dir = output_dir / "merged"
     if recipe.export_merged and trainer.is_world_process_zero():
-        export_merged(adapter_dir, merged_dir, base=resolve_model_path(recipe.model_name_or_path),
-                      dtype=recipe.export_dtype, overwrite=True, progress=False)  # fmt: skip
+        export_merged(
+            adapter_dir,
+            merged_dir,
+            base=resolve_model_path(recipe.model_name_or_path),
+            dtype=recipe.export_dtype,
+            overwrite=True,
+            progress=False,
+        )
     trainer.accelerator.wait_for_everyone()
     if not trainer.is_world_process_zero():
         return None
@@ -144,8 +152,6 @@ def resume_point(training) -> str | None:
     Checkpoints appear under their ``checkpoint-N`` name only once complete, so the latest such
     directory is always whole. With ``auto`` and no checkpoint yet, training starts from scratch.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     value = training.resume_from_checkpoint
     if str(value).lower() not in ("auto", "true"):
         return value
@@ -162,25 +168,16 @@ def last_logged(log_history: list[dict], key: str) -> float | None:
     return next((entry[key] for entry in reversed(log_history) if key in entry), None)
 
 
-def matplotlib_available() -> bool:
-    """Plotting is optional: matplotlib is not a dependency."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def plot_loss_curve(log_history: list[dict], path: Path) -> str | None:
-    """Draw train and eval loss against the step into ``path``; ``None`` without matplotlib or losses."""
+    """Draw train and eval loss against the step into ``path``; ``None`` when no loss was logged."""
     train = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
     evaluation = [(entry["step"], entry["eval_loss"]) for entry in log_history if "eval_loss" in entry]
-    if not (train or evaluation) or not matplotlib_available():
+    if not (train or evaluation):
         return None
-    import matplotlib
+    import matplotlib  # lazy: only the end of a run draws; keeps every import of the recipe module light
 
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
 
     figure, axes = plt.subplots(figsize=(7, 4))
     for points, label, style in ((train, "train", "-"), (evaluation, "eval", "o--")):
@@ -220,8 +217,6 @@ def summary(results: dict, output_dir: Path) -> str:
         lines.append(f"[fsdp-peft] merged full weights: {results['merged_dir']}")
     if results["loss_curve"]:
         lines.append(f"[fsdp-peft] loss curve: {results['loss_curve']}")
-    elif not matplotlib_available():
-        lines.append("[fsdp-peft] loss curve: not drawn (needs matplotlib: pip install matplotlib)")
     else:
         lines.append("[fsdp-peft] loss curve: not drawn (no loss was logged: lower logging_steps)")
     lines.append(f"[fsdp-peft] results: {output_dir / 'results.json'}")

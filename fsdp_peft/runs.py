@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+import torch.distributed as dist
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_peft.errors import ConfigError
@@ -39,17 +40,48 @@ from fsdp_peft.log import logger
 RUN_FILE = "fsdp_peft_run.json"
 LOCK_FILE = ".fsdp_peft.lock"
 RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
-    "adapter", "merged", "results.json", "trainer_state.json", "samples.jsonl", "eval_samples.jsonl",
-    "loss_curve.png", "fsdp_layout.json", "memory.json",
-)  # fmt: skip
+    "adapter",
+    "merged",
+    "results.json",
+    "trainer_state.json",
+    "samples.jsonl",
+    "eval_samples.jsonl",
+    "loss_curve.png",
+    "fsdp_layout.json",
+    "memory.json",
+)
 NOT_IDENTITY = {  # keys that do not change what a run trains: they may differ when it is resumed
-    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "max_steps", "num_train_epochs",
-    "per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps", "logging_strategy",
-    "logging_first_step", "report_to", "disable_tqdm", "log_level", "log_level_replica", "save_steps",
-    "save_strategy", "save_total_limit", "eval_steps", "eval_strategy", "dataloader_num_workers", "use_cpu",
-    "generate_samples", "generate_max_new_tokens", "generate_batch_size", "generate_gather_budget",
-    "generate_eval_samples", "export_merged", "export_dtype", "run_name", "include_num_input_tokens_seen",
-}  # fmt: skip
+    "output_dir",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "logging_steps",
+    "logging_strategy",
+    "logging_first_step",
+    "report_to",
+    "disable_tqdm",
+    "log_level",
+    "log_level_replica",
+    "save_steps",
+    "save_strategy",
+    "save_total_limit",
+    "eval_steps",
+    "eval_strategy",
+    "dataloader_num_workers",
+    "use_cpu",
+    "generate_samples",
+    "generate_max_new_tokens",
+    "generate_batch_size",
+    "generate_gather_budget",
+    "generate_eval_samples",
+    "export_merged",
+    "export_dtype",
+    "run_name",
+    "include_num_input_tokens_seen",
+}
 _held_locks: list = []  # open lock files: the flock lives as long as they stay open
 
 
@@ -95,12 +127,16 @@ def checkpoints_in(output_dir: Path) -> list[Path]:
     directory = Path(output_dir)
     if not directory.is_dir():
         return []
-    found = list(directory.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) + list(directory.glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial"))
+    found = list(directory.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) + list(
+        directory.glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial")
+    )
     return sorted(path for path in found if path.is_dir())
 
 
 def _run_outputs(output_dir: Path) -> list[Path]:
-    return checkpoints_in(output_dir) + [Path(output_dir) / name for name in RUN_OUTPUTS if (Path(output_dir) / name).exists()]
+    return checkpoints_in(output_dir) + [
+        Path(output_dir) / name for name in RUN_OUTPUTS if (Path(output_dir) / name).exists()
+    ]
 
 
 def _differing_keys(saved: dict, current: dict) -> list[str]:
@@ -158,7 +194,8 @@ def _decide(output_dir: Path, current: dict, resume: str | None, overwrite: bool
         if record is not None and record["config"] != current:
             keys = _differing_keys(record["config"], current)
             raise ConfigError(
-                f"resume_from_checkpoint: auto: {output_dir} holds {_describe(record, output_dir)} trained with another "
+                f"resume_from_checkpoint: auto: {output_dir} holds {_describe(record, output_dir)} "
+                "trained with another "
                 f"config (differs in {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}); resume with that config, "
                 "set overwrite_output_dir: true to replace it, or choose another output_dir"
             )
@@ -168,10 +205,15 @@ def _decide(output_dir: Path, current: dict, resume: str | None, overwrite: bool
     if not overwrite:
         raise ConfigError(
             f"output_dir: {output_dir} holds {_describe(record, output_dir)}; resume it with --resume_from_checkpoint "
-            "auto, replace it with --overwrite_output_dir true (its checkpoints are removed), or choose another output_dir"
+            "auto, replace it with --overwrite_output_dir true (its checkpoints are removed), "
+            "or choose another output_dir"
         )
     names = ", ".join(p.name for p in outputs) or "its run record"
-    return uuid.uuid4().hex[:12], outputs, f"overwrite_output_dir: removing the previous run's {names} from {output_dir}"
+    return (
+        uuid.uuid4().hex[:12],
+        outputs,
+        f"overwrite_output_dir: removing the previous run's {names} from {output_dir}",
+    )
 
 
 def start_run(recipe: dict, training, resume: str | None) -> Run:
@@ -180,10 +222,10 @@ def start_run(recipe: dict, training, resume: str | None) -> Run:
     Rank 0 takes the directory's lock exclusively, decides (refusing, or removing a replaced run's outputs),
     and records the run; then every rank holds the lock shared until it exits.
     """
-    import torch.distributed as dist
-
     output_dir = Path(training.output_dir)
-    current = identity_config(recipe, {f.name: getattr(training, f.name) for f in dataclasses.fields(training) if f.init})
+    current = identity_config(
+        recipe, {f.name: getattr(training, f.name) for f in dataclasses.fields(training) if f.init}
+    )
     distributed = dist.is_available() and dist.is_initialized()
     decision: list = [None]
     if ranks().is_main:
@@ -217,7 +259,13 @@ def _write_run(output_dir: Path, run_id: str, config: dict, resume: str | None) 
     record = read_run(output_dir)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if record is None or record.get("run_id") != run_id:
-        record = {"run_id": run_id, "started": now, "config": config, "fingerprint": config_fingerprint(config), "legs": []}
+        record = {
+            "run_id": run_id,
+            "started": now,
+            "config": config,
+            "fingerprint": config_fingerprint(config),
+            "legs": [],
+        }
     record["legs"].append({"started": now, "resumed_from": resume})
     staged = output_dir / f".{RUN_FILE}.tmp"
     staged.write_text(json.dumps(record, indent=1, sort_keys=True))

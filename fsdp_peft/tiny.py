@@ -6,7 +6,7 @@ that a recipe runs on a machine with no network. The other families' tiny models
 architecture, configured in `TINY_FAMILY_CONFIGS`, with the same tokenizer. No weights are shipped:
 they are created from a fixed seed and written once to a local cache as an ordinary Hugging Face
 checkpoint, so that loading, 4-bit quantization and everything after it run exactly the code a hub
-model runs.
+model runs. Where they are written, and when (on first use), is `fsdp_peft.paths.tiny_model_path`.
 
 Regenerate the shipped assets (deterministic, byte-identical) with::
 
@@ -17,12 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import string
 from pathlib import Path
 
-from fsdp_peft.files import publish_directory
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+from fsdp_peft.families import tiny_family
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_NAME = "tiny-llama"
@@ -73,11 +85,19 @@ TINY_CONFIG = {
 TINY_SIZES = {
     key: TINY_CONFIG[key]
     for key in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "max_position_embeddings", "rms_norm_eps", "rope_theta", "hidden_act", "initializer_range",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "hidden_act",
+        "initializer_range",
         "tie_word_embeddings",
     )
-}  # fmt: skip
+}
 HEAD_DIM = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]
 TINY_FAMILY_CONFIGS = {
     "tiny-qwen2": {**TINY_SIZES, "use_sliding_window": False},  # q/k/v projections carry a bias
@@ -89,9 +109,6 @@ TINY_MODEL_NAMES = (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)
 
 def build_tokenizer():
     """A byte-level tokenizer: one token per byte plus special and role tokens, with a chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(alphabet)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -110,8 +127,6 @@ def build_tokenizer():
 
 def build_config(tokenizer):
     """The tiny model's ``LlamaConfig``, with vocabulary and special token ids taken from the tokenizer."""
-    from transformers import LlamaConfig
-
     fields = {key: value for key, value in TINY_CONFIG.items() if key not in ("architectures", "model_type")}
     return LlamaConfig(
         **fields,
@@ -155,10 +170,6 @@ def write_assets(assets: Path = ASSETS) -> None:
 
 def build_family_config(name: str, tokenizer):
     """The config of tiny model ``name`` (not the Llama: its config ships in the assets)."""
-    from transformers import CONFIG_MAPPING
-
-    from fsdp_peft.families import tiny_family
-
     family = tiny_family(name)
     return CONFIG_MAPPING[family.model_types[0]](
         **TINY_FAMILY_CONFIGS[name],
@@ -170,44 +181,15 @@ def build_family_config(name: str, tokenizer):
     )
 
 
-def cache_dir() -> Path:
-    """Where the generated tiny checkpoint lives: ``$FSDP_PEFT_CACHE`` or ``~/.cache/fsdp_peft``."""
-    return Path(os.environ.get("FSDP_PEFT_CACHE", Path.home() / ".cache" / "fsdp_peft"))
-
-
-def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
-    """Tiny model ``name``'s checkpoint directory, created on first use (safe when several ranks race)."""
-    if name not in TINY_MODEL_NAMES:
-        raise ValueError(f"no embedded model called {name!r}; there are {', '.join(TINY_MODEL_NAMES)}")
-    target = cache_dir() / f"{name}-seed{WEIGHTS_SEED}"
-    if (target / "model.safetensors").is_file():
-        return target
-    from transformers import AutoConfig, AutoTokenizer
-
+def write_tiny_model(name: str, directory: Path) -> None:
+    """Tiny model ``name`` (tokenizer, config, weights from the seed) written into ``directory``."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS)
     config = (
         AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
         if name == TINY_MODEL_NAME
         else build_family_config(name, tokenizer)
     )
-    with publish_directory(target) as staging:
-        write_checkpoint(staging, config, tokenizer)
-    return target
-
-
-def resolve_model_path(name: str) -> str:
-    """Where ``model_name_or_path`` points: a tiny model's cache directory, else ``name`` unchanged.
-
-    A tiny model is named by its name (``tiny-qwen2``) or by a cache directory of it that no longer
-    exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here.
-    """
-    if name in TINY_MODEL_NAMES:
-        return str(tiny_model_path(name))
-    path = Path(name)
-    for tiny in TINY_MODEL_NAMES:
-        if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
-            return str(tiny_model_path(tiny))
-    return name
+    write_checkpoint(directory, config, tokenizer)
 
 
 def write_checkpoint(directory: Path, config, tokenizer) -> None:
@@ -216,11 +198,6 @@ def write_checkpoint(directory: Path, config, tokenizer) -> None:
     Written with safetensors directly rather than ``save_pretrained``, which writes on global rank 0
     only: every rank (and every node) may need to build its own copy.
     """
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
     torch.manual_seed(WEIGHTS_SEED)
     model = getattr(transformers, config.architectures[0])(config)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
@@ -235,15 +212,16 @@ def write_checkpoint(directory: Path, config, tokenizer) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-assets", action="store_true", help="rewrite fsdp_peft/assets from the seeds")
-    parser.add_argument("name", nargs="?", default=TINY_MODEL_NAME, choices=TINY_MODEL_NAMES)
-    args = parser.parse_args()
-    if args.write_assets:
-        write_assets()
-        print(f"wrote {ASSETS}")
-    else:
-        print(tiny_model_path(args.name))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="`fsdp-peft tiny-model NAME` builds a tiny model in the cache and prints its path",
+    )
+    parser.add_argument(
+        "--write-assets", action="store_true", required=True, help="rewrite fsdp_peft/assets from the seeds"
+    )
+    parser.parse_args()
+    write_assets()
+    print(f"wrote {ASSETS}")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.export import RECIPE_FILE, write_base_record
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
     FsdpLayoutReport,
@@ -25,9 +29,9 @@ from fsdp_peft.fsdp import (
     unit_name,
 )
 from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
-from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
 
 
@@ -155,7 +159,11 @@ def run_layout(args) -> dict:
     """What a sharded checkpoint depends on: world size, global batch (data position), FSDP version."""
     settings = fsdp_settings(args)
     version = settings.version if settings is not None else None
-    world, per_device, accumulation = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    world, per_device, accumulation = (
+        args.world_size,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+    )
     return {
         "world_size": world,
         "per_device_train_batch_size": per_device,
@@ -192,12 +200,16 @@ def check_resumable(checkpoint: Path, args, run_id: str | None = None) -> None:
             f"resume_from_checkpoint: auto: {checkpoint} belongs to run {saved['run_id']}, not to this run ({run_id}) "
             "recorded in its output_dir; name the checkpoint to resume it explicitly, or choose another output_dir"
         )
-    where = f"resume_from_checkpoint: {checkpoint} was written with {_describe(saved)}; this run has {_describe(current)}"
+    where = (
+        f"resume_from_checkpoint: {checkpoint} was written with {_describe(saved)}; this run has {_describe(current)}"
+    )
     if saved["fsdp_version"] != current["fsdp_version"]:
         wanted = f"FSDP{saved['fsdp_version']} (e.g. configs/accelerate/cpu_fsdp{saved['fsdp_version']}.yaml)"
         raise ConfigError(f"{where}. Its sharded state is only readable under {wanted}: relaunch with that")
     if saved["global_batch_size"] != current["global_batch_size"]:
-        per_rank, left = divmod(saved["global_batch_size"], current["world_size"] * current["gradient_accumulation_steps"])
+        per_rank, left = divmod(
+            saved["global_batch_size"], current["world_size"] * current["gradient_accumulation_steps"]
+        )
         fix = f"--per_device_train_batch_size {per_rank}" if per_rank and not left else "the same global batch"
         raise ConfigError(
             f"{where}. Resuming would change which examples every remaining step sees; keep the global batch: {fix}"
@@ -210,8 +222,6 @@ def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Pa
     peft's own ``save_pretrained`` selects adapter tensors by the model's module names, which FSDP1
     wrappers change; the keys here are already the unwrapped names, so only the adapter name is dropped.
     """
-    from safetensors.torch import save_file
-
     adapter = peft_model.active_adapter
     tensors = {name.replace(f".{adapter}.", "."): tensor.contiguous() for name, tensor in state_dict.items()}
     save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -221,8 +231,6 @@ def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Pa
 def write_adapter_metadata(peft_model, recipe_config: dict, directory: Path) -> None:
     """``adapter_config.json``, the recipe config and the base's record, next to adapter weights (final or
     sharded): what export and generate need to rebuild, and check, the model it was trained as."""
-    from fsdp_peft.export import RECIPE_FILE, write_base_record
-
     peft_model.peft_config[peft_model.active_adapter].save_pretrained(directory)
     (directory / RECIPE_FILE).write_text(json.dumps(recipe_config, indent=1, sort_keys=True, default=str))
     write_base_record(peft_model.get_base_model().config, directory)
@@ -237,9 +245,6 @@ def gather_trainable_state_dict(
     their original parameters from it, so each trainable unit (the policy gives every adapter leaf
     its own) is gathered on its own. Collective: every rank must call it.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     if not isinstance(model, FSDP):
         options = StateDictOptions(full_state_dict=True, cpu_offload=offload_to_cpu, ignore_frozen_params=True)
         state_dict = get_model_state_dict(model, options=options)
@@ -255,5 +260,7 @@ def gather_trainable_state_dict(
                         state_dict[unit_name(f"{name}.{param_name}")] = parameter.detach().clone().cpu()
     missing = sorted(set(expected) - set(state_dict))
     if missing:
-        raise RuntimeError(f"gathered adapter lacks {len(missing)} trainable tensors (e.g. {missing[0]}); not saving it")
+        raise RuntimeError(
+            f"gathered adapter lacks {len(missing)} trainable tensors (e.g. {missing[0]}); not saving it"
+        )
     return {name: state_dict[name] for name in expected}

@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from fsdp_peft.config import GATHER_BUDGET_HELP
+from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
+from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.keys import field_types, key_problems, unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings, launcher_asks_for_fsdp, ranks
+from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.policies import decoder_layer_classes
+from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
@@ -104,8 +111,6 @@ def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
 
 
 def _data_files_exist(recipe, training) -> str | None:
-    from fsdp_peft.data import DATA_EXTENSIONS, data_files_in, is_local_path
-
     kinds = ", ".join(DATA_EXTENSIONS)
     for key in ("train_file", "eval_file"):
         value = getattr(recipe, key)
@@ -132,8 +137,6 @@ def _data_files_exist(recipe, training) -> str | None:
 
 
 def _data_settings_are_known(recipe, training) -> str | None:
-    from fsdp_peft.data import DATA_FORMATS, TRUNCATIONS
-
     if recipe.data_format not in DATA_FORMATS:
         return f"data_format: '{recipe.data_format}' is not one of {', '.join(DATA_FORMATS)}"
     if recipe.truncation not in TRUNCATIONS:
@@ -151,11 +154,6 @@ def _local_model_path_exists(recipe, training) -> str | None:
 
 
 def _model_config_is_a_causal_lm(recipe, training) -> str | None:
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from fsdp_peft.tiny import resolve_model_path
-
     name = recipe.model_name_or_path
     try:
         config = AutoConfig.from_pretrained(
@@ -187,9 +185,6 @@ def _positive_sizes(recipe, training) -> str | None:
 
 
 def _gather_budget_is_a_size(recipe, training) -> str | None:
-    from fsdp_peft.export import parse_size
-    from fsdp_peft.config import GATHER_BUDGET_HELP
-
     if str(recipe.generate_gather_budget).strip().lower() in ("auto", "all", "none"):
         return None
     try:
@@ -234,8 +229,6 @@ def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
 
 def checkpoint_quantization(name: str) -> dict | None:
     """The ``quantization_config`` a local checkpoint was saved with (a pre-quantized base), else ``None``."""
-    from fsdp_peft.tiny import resolve_model_path
-
     config = Path(resolve_model_path(name)).expanduser() / "config.json"
     if not config.is_file():
         return None
@@ -424,12 +417,6 @@ def config_problems(recipe, training: dict) -> list[str]:
 def model_structure_problems(recipe) -> list[str]:
     """Problems with the model's architecture (LoRA targets, decoder layers), found on a weightless copy
     built on the meta device from its config; none when the config is not on this machine."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fsdp_peft.families import family_for, lora_targets
-    from fsdp_peft.policies import decoder_layer_classes
-    from fsdp_peft.tiny import resolve_model_path
-
     name = recipe.model_name_or_path
     try:
         config = AutoConfig.from_pretrained(

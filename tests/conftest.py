@@ -24,9 +24,25 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cache) -> Path:
-    from fsdp_peft.tiny import tiny_model_path
+    from fsdp_peft.paths import tiny_model_path
 
     return tiny_model_path()
+
+
+def tiny_llama_in_4bit(tiny_model_dir: Path):
+    """The tiny Llama loaded as the QLoRA recipes load it: nf4, double quantization, bf16 compute and storage."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
+    return model
 
 
 def run_command(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -35,17 +51,28 @@ def run_command(command: list[str], timeout: float = 600) -> subprocess.Complete
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def recipe_launch_command(
+    recipe: str, *overrides: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
+) -> list[str]:
+    """``accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/<recipe>.py ...``."""
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
+    ranks = ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+    return [sys.executable, *launcher, *ranks, str(REPO / "recipes" / f"{recipe}.py"), *overrides]
+
+
+def recipe_torchrun_command(recipe: str, *overrides: str, processes: int = 2) -> list[str]:
+    """``torchrun --nproc_per_node 2 recipes/<recipe>.py ...`` (no accelerate config)."""
+    ranks = ["--nproc_per_node", str(processes), "--master_port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", *ranks, str(REPO / "recipes" / f"{recipe}.py"), *overrides]
+
+
 def launch_recipe(
     recipe: str, *overrides: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/<recipe>.py ...``."""
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(accelerate_config), "--num_processes", str(processes),
-        "--main_process_port", str(free_port()),
-        str(REPO / "recipes" / f"{recipe}.py"), *overrides,
-    ]  # fmt: skip
-    result = run_command(command)
+    """Run `recipe_launch_command`; fails the test if any rank fails."""
+    result = run_command(
+        recipe_launch_command(recipe, *overrides, processes=processes, accelerate_config=accelerate_config)
+    )
     assert result.returncode == 0, f"{recipe} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 
@@ -64,15 +91,24 @@ def read_json(path: Path):
 
 def logged_losses(output_dir: Path) -> dict[int, float]:
     """``{step: training loss}`` as Trainer logged them in ``output_dir/trainer_state.json``."""
-    return {e["step"]: e["loss"] for e in read_json(Path(output_dir) / "trainer_state.json")["log_history"] if "loss" in e}
+    return {
+        e["step"]: e["loss"] for e in read_json(Path(output_dir) / "trainer_state.json")["log_history"] if "loss" in e
+    }
 
 
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-        "--master_port", str(free_port()), str(script), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
     result = run_command(command)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result

@@ -85,7 +85,9 @@ def test_validate_names_a_missing_accelerate_config(tmp_path, capsys):
     from fsdp_peft.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["validate", str(REPO / "configs" / "qwen_qlora" / "tiny.yaml"), "--accelerate-config", str(tmp_path / "x")])
+        main(
+            ["validate", str(REPO / "configs" / "qwen_qlora" / "tiny.yaml"), "--accelerate-config", str(tmp_path / "x")]
+        )
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: --accelerate-config: file not found: {tmp_path / 'x'}"
 

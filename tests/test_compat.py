@@ -27,9 +27,13 @@ def test_installed_releases_are_the_verified_ones(package):
 
 def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
     patches = [
-        _compat.trainer_peft_update_skipped, _compat.fsdp1_adapter_checkpoints, _compat.adapters_created_off_meta,
-        _compat.fsdp2_prepare_model_replaced, _compat.cpu_weight_repacking_disabled, _compat.state_switched_to_fsdp,
-    ]  # fmt: skip
+        _compat.trainer_peft_update_skipped,
+        _compat.fsdp1_adapter_checkpoints,
+        _compat.adapters_created_off_meta,
+        _compat.fsdp2_prepare_model_replaced,
+        _compat.cpu_weight_repacking_disabled,
+        _compat.state_switched_to_fsdp,
+    ]
     for patch in patches:
         doc = inspect.getdoc(patch)
         assert "Why" in doc and "Remove when" in doc, patch.__name__
@@ -58,8 +62,10 @@ def test_a_changed_signature_is_named_in_one_line(monkeypatch):
 
     monkeypatch.setattr(accelerate.accelerator, "fsdp2_prepare_model", lambda accelerator, module, plan: module)
     problem = upstream_problem(next(e for e in UPSTREAM if e.path.endswith("fsdp2_prepare_model")))
-    assert problem.endswith("fsdp2_prepare_model no longer has model; fsdp-peft relies on it "
-                            "(weights stream into a skeleton model only after FSDP2 has sharded it)")  # fmt: skip
+    assert problem.endswith(
+        "fsdp2_prepare_model no longer has model; fsdp-peft relies on it "
+        "(weights stream into a skeleton model only after FSDP2 has sharded it)"
+    )
 
 
 def test_an_unverified_release_is_refused_unless_asked_for(monkeypatch):
@@ -76,10 +82,13 @@ def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tm
     """The whole path a user takes, with one upstream symbol deleted before fsdp-peft starts."""
     rename = "import fsdp_peft, transformers.trainer as t; del t.update_fsdp_plugin_peft; import sys; "
     if entry_point == "recipe":
-        start = f"sys.argv = ['llama_lora.py', '--output_dir', {str(tmp_path / 'out')!r}]; import runpy; " \
-                f"runpy.run_path({str(REPO / 'recipes' / 'llama_lora.py')!r}, run_name='__main__')"  # fmt: skip
+        start = (
+            f"sys.argv = ['llama_lora.py', '--output_dir', {str(tmp_path / 'out')!r}]; import runpy; "
+            f"runpy.run_path({str(REPO / 'recipes' / 'llama_lora.py')!r}, run_name='__main__')"
+        )
     else:
-        start = f"from fsdp_peft.cli import main; main(['validate', {str(REPO / 'configs' / 'llama_lora' / 'tiny.yaml')!r}])"
+        config = str(REPO / "configs" / "llama_lora" / "tiny.yaml")
+        start = f"from fsdp_peft.cli import main; main(['validate', {config!r}])"
     result = run_command([sys.executable, "-c", rename + start], timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()

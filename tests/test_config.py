@@ -9,8 +9,8 @@ import pytest
 
 from conftest import REPO, run_command
 from fsdp_peft.config import read_yaml_config
-from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.recipe import parse_recipe_config
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 
@@ -92,18 +92,27 @@ def test_unknown_key_fails_under_accelerate_before_any_process_group(tmp_path):
     bad.write_text("per_device_train_batchsize: 4\n")
     result = run_command(
         [
-            sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"), "--main_process_port", "0",
-            "recipes/llama_lora.py", "--config", str(bad),
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
+            "--main_process_port",
+            "0",
+            "recipes/llama_lora.py",
+            "--config",
+            str(bad),
+        ],
         timeout=180,
     )
     assert result.returncode != 0
     ours, _, launcher = result.stderr.partition("Traceback (most recent call last)")
     errors = [line for line in ours.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {bad}: unknown key 'per_device_train_batchsize'; did you mean 'per_device_train_batch_size'?"]
+    assert errors == [
+        f"error: {bad}: unknown key 'per_device_train_batchsize'; did you mean 'per_device_train_batch_size'?"
+    ]
     assert "ChildFailedError" in launcher  # torchrun's report of the failed ranks, not ours
-    assert "fsdp_peft/" not in launcher and "recipes/llama_lora.py\", line" not in launcher
+    assert "fsdp_peft/" not in launcher and 'recipes/llama_lora.py", line' not in launcher
     assert "Loading weights" not in result.stdout + result.stderr
 
 

@@ -34,12 +34,28 @@ BASES = {
 }
 FSDP_ROUTE = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}}
 RECIPE_RANGES = {  # the project's own numeric keys and a value each must refuse
-    "lora_r": 0, "max_seq_length": -8, "generate_max_new_tokens": 0, "generate_batch_size": -1,
-    "generate_samples": -3, "generate_eval_samples": -1, "eval_split": 1.5, "lora_alpha": 0, "lora_dropout": 1.0,
-}  # fmt: skip
-OUT_OF_RANGE = {"max_steps": [0, -7], "learning_rate": [0.0, -1e-3, float("nan")], "adam_beta1": [1.5],
-                "per_device_train_batch_size": [0], "gradient_accumulation_steps": [0], "warmup_steps": [-1],
-                "logging_steps": [0], "save_steps": [-2], "save_total_limit": [0], "seed": [-1]}  # fmt: skip
+    "lora_r": 0,
+    "max_seq_length": -8,
+    "generate_max_new_tokens": 0,
+    "generate_batch_size": -1,
+    "generate_samples": -3,
+    "generate_eval_samples": -1,
+    "eval_split": 1.5,
+    "lora_alpha": 0,
+    "lora_dropout": 1.0,
+}
+OUT_OF_RANGE = {
+    "max_steps": [0, -7],
+    "learning_rate": [0.0, -1e-3, float("nan")],
+    "adam_beta1": [1.5],
+    "per_device_train_batch_size": [0],
+    "gradient_accumulation_steps": [0],
+    "warmup_steps": [-1],
+    "logging_steps": [0],
+    "save_steps": [-2],
+    "save_total_limit": [0],
+    "seed": [-1],
+}
 FSDP_CLASHES = [  # (values set, the key the message must name)
     ({"fsdp": None, "fsdp_config": {"version": 2}}, "fsdp_config"),
     ({"fsdp": "hybrid_shard auto_wrap", "fsdp_config": {"version": 2}}, "fsdp"),
@@ -85,8 +101,10 @@ def mutations(rng: random.Random):
         elif kind == "retype":
             value = rng.choice([[1, 2], {"nested": 1}, "not-a-value", True, 3.25, None])
             allowed_container = re.search(r"\b(list|dict)\b", str(hints.get(key, ""))) or key in (
-                "lora_target_modules", "fsdp", "fsdp_config",
-            )  # fmt: skip
+                "lora_target_modules",
+                "fsdp",
+                "fsdp_config",
+            )
             must = isinstance(value, (list, dict)) and not allowed_container
             values[key] = value
             yield kind, base_name, _dump(values), must, key if must else None
@@ -185,7 +203,9 @@ def test_validate_and_the_recipe_give_the_same_message_for_the_same_bad_config(k
     config = tmp_path / "mutated.yaml"
     config.write_text(text)
     validate = run_command([sys.executable, "-m", "fsdp_peft.cli", "validate", str(config)], timeout=300)
-    recipe = run_command([sys.executable, str(REPO / "recipes" / "llama_lora.py"), "--config", str(config)], timeout=300)
+    recipe = run_command(
+        [sys.executable, str(REPO / "recipes" / "llama_lora.py"), "--config", str(config)], timeout=300
+    )
     assert validate.returncode == recipe.returncode == 2
     assert validate.stderr.strip().splitlines() == recipe.stderr.strip().splitlines()
     assert len(validate.stderr.strip().splitlines()) == 1 and validate.stderr.startswith("error: ")

@@ -75,7 +75,9 @@ def recipe(**values) -> RecipeArguments:
 
 def test_only_completion_and_end_token_carry_labels(tokenizer):
     row = tokenize_example(Example("reverse: abcde", "edcba"), tokenizer, RecipeArguments())
-    assert tokenizer.decode(row["input_ids"]) == "<|begin_of_text|><|user|>reverse: abcde<|end|><|assistant|>edcba<|end|>"
+    assert (
+        tokenizer.decode(row["input_ids"]) == "<|begin_of_text|><|user|>reverse: abcde<|end|><|assistant|>edcba<|end|>"
+    )
     assert trained_positions(row) == list(range(18, 24))  # "edcba" and <|end|>, the last 6 of 24 tokens
     assert row["labels"][18:] == row["input_ids"][18:]
 
@@ -114,7 +116,9 @@ def test_instruction_rows_join_instruction_and_input(tokenizer, tmp_path):
     ]
     train, _, _ = load_data(recipe(train_file=str(write_rows(tmp_path / "i.jsonl", rows))), tokenizer)
     first, second = train.to_list()
-    assert tokenizer.decode(first["input_ids"]) == "<|begin_of_text|><|user|>reverse\n\nabc<|end|><|assistant|>cba<|end|>"
+    assert (
+        tokenizer.decode(first["input_ids"]) == "<|begin_of_text|><|user|>reverse\n\nabc<|end|><|assistant|>cba<|end|>"
+    )
     assert tokenizer.decode([first["labels"][i] for i in trained_positions(first)]) == "cba<|end|>"
     assert tokenizer.decode(second["input_ids"]) == "<|begin_of_text|><|user|>say hi<|end|><|assistant|>hi<|end|>"
 
@@ -154,8 +158,11 @@ def test_a_held_out_chat_is_prompted_up_to_its_last_assistant_turn(tokenizer, tm
 
 def test_a_declared_format_wins_and_unclear_columns_are_errors(tokenizer, tmp_path):
     both = write_rows(tmp_path / "both.jsonl", [{"prompt": "p", "completion": "c", "messages": CHAT}])
-    with pytest.raises(ConfigError, match=r"both.jsonl: columns fit several formats \(messages, prompt_completion\); "
-                                          "set data_format"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"both.jsonl: columns fit several formats \(messages, prompt_completion\); "
+        "set data_format",
+    ):
         load_data(recipe(train_file=str(both)), tokenizer)
     (row,) = load_data(recipe(train_file=str(both), data_format="prompt_completion"), tokenizer)[0].to_list()
     assert tokenizer.decode(row["input_ids"]).endswith("<|user|>p<|end|><|assistant|>c<|end|>")
@@ -211,7 +218,10 @@ BAD_ROWS = {
         json.dumps({"messages": [{"role": "user", "content": " "}, CHAT[2]]}),
         "row 2: 'messages'[0] (user) has empty content",
     ),
-    "missing content": (json.dumps({"messages": [{"role": "user"}]}), "row 2: 'messages'[0] needs 'role' and 'content'"),
+    "missing content": (
+        json.dumps({"messages": [{"role": "user"}]}),
+        "row 2: 'messages'[0] needs 'role' and 'content'",
+    ),
     "no assistant turn": (json.dumps({"messages": CHAT[:2]}), "row 2: 'messages' has no assistant turn to train on"),
     "no trainable tokens": (
         json.dumps({"prompt": "x" * 200, "completion": "y"}),
@@ -241,16 +251,23 @@ def test_rows_of_tables_are_counted_from_one(tokenizer, tmp_path, suffix):
 
 
 def test_skip_invalid_rows_drops_bad_rows_and_reports_counts_per_reason(tokenizer, tmp_path, capsys):
-    lines = [json.dumps({"messages": CHAT}), *(BAD_ROWS[c][0] for c in ("unknown role", "empty content", "invalid JSON")),
-             json.dumps({"messages": [*CHAT[:2], {"role": "bot", "content": "x"}]}), json.dumps({"messages": CHAT[1:3]})]  # fmt: skip
+    lines = [
+        json.dumps({"messages": CHAT}),
+        *(BAD_ROWS[c][0] for c in ("unknown role", "empty content", "invalid JSON")),
+        json.dumps({"messages": [*CHAT[:2], {"role": "bot", "content": "x"}]}),
+        json.dumps({"messages": CHAT[1:3]}),
+    ]
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     train, _, _ = load_data(recipe(train_file=str(path), skip_invalid_rows=True), tokenizer)
     assert [tokenizer.decode(row["input_ids"]) for row in train] == [
-        CHAT_TEXT, "<|begin_of_text|><|user|>hi<|end|><|assistant|>hello<|end|>"
-    ]  # fmt: skip
+        CHAT_TEXT,
+        "<|begin_of_text|><|user|>hi<|end|><|assistant|>hello<|end|>",
+    ]
     out = capsys.readouterr().out
-    assert f"[fsdp-peft] data: train 2 rows from {path}; dropped 4: 1 empty content, 1 invalid JSON, 2 unknown role" in out
+    assert (
+        f"[fsdp-peft] data: train 2 rows from {path}; dropped 4: 1 empty content, 1 invalid JSON, 2 unknown role" in out
+    )
 
 
 def test_skipping_every_row_is_an_error(tokenizer, tmp_path):
@@ -266,7 +283,9 @@ def test_read_examples_and_tokenized_dataset_name_the_bad_row(tokenizer, tmp_pat
     with pytest.raises(ConfigError, match=f"^{path}: row 3: missing field 'completion'"):  # JSONL rows are lines
         read_examples(path)
     with pytest.raises(ConfigError, match="t.jsonl: row 1: no completion tokens left after right truncation"):
-        tokenized_dataset([Example("a long prompt indeed", "x")], tokenizer, recipe(max_seq_length=8), tmp_path / "t.jsonl")
+        tokenized_dataset(
+            [Example("a long prompt indeed", "x")], tokenizer, recipe(max_seq_length=8), tmp_path / "t.jsonl"
+        )
 
 
 # ---------------------------------------------------------------- eval split and hub
@@ -316,6 +335,9 @@ def test_an_unreachable_hub_dataset_is_a_clear_error(tokenizer, monkeypatch):
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConfigError, match="dataset: cannot load 'someone/no-such-data' split 'train' from the Hugging "
-                                          "Face hub: .*; check the name, config and split and that the hub is reachable"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="dataset: cannot load 'someone/no-such-data' split 'train' from the Hugging "
+        "Face hub: .*; check the name, config and split and that the hub is reachable",
+    ):
         load_data(recipe(dataset="someone/no-such-data"), tokenizer)

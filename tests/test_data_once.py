@@ -11,23 +11,25 @@ from transformers import AutoTokenizer
 from conftest import REPO, free_port, run_command
 from fsdp_peft import data
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.data import cache
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.recipe import parse_recipe_config
 
 ROWS = [{"prompt": f"reverse: {w}", "completion": w[::-1]} for w in ("abcde", "fghij", "klmno")]
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 
-RANK_SCRIPT = '''
+RANK_SCRIPT = """
 import json, os, sys
 from transformers import AutoTokenizer, TrainingArguments
 from fsdp_peft import data
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.data import cache
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.tiny import tiny_model_path
+from fsdp_peft.paths import tiny_model_path
 
 built = []
-original = data.build
-data.build = lambda *args, **kwargs: (built.append(1), original(*args, **kwargs))[1]
+original = cache.build
+cache.build = lambda *args, **kwargs: (built.append(1), original(*args, **kwargs))[1]
 args = TrainingArguments(output_dir=sys.argv[3], use_cpu=True, report_to="none")
 tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
 try:
@@ -38,7 +40,7 @@ except ConfigError as error:
 train, held_out, examples = data.load_data(RecipeArguments(train_file=sys.argv[1], eval_split=0.34), tokenizer, args)
 print(json.dumps({"rank": args.process_index, "world": args.world_size, "built": len(built), "bad": bad,
                   "train": [r["input_ids"] for r in train], "held_out": [e.completion for e in examples]}))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,8 @@ def test_a_second_load_reuses_the_tokenized_cache_until_the_file_changes(tokeniz
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
     first = data.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
     built = []
-    original = data.build
-    monkeypatch.setattr(data, "build", lambda *a, **k: (built.append(1), original(*a, **k))[1])
+    original = cache.build
+    monkeypatch.setattr(cache, "build", lambda *a, **k: (built.append(1), original(*a, **k))[1])
     again = data.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
     assert again == first and built == []
     assert "tokenized once, reused from" in capsys.readouterr().out
@@ -73,13 +75,30 @@ def test_two_ranks_tokenize_on_rank_0_only_and_share_errors(tmp_path, tiny_model
     bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": "x"}])
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(script), str(good), str(bad), str(tmp_path / "out")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(good),
+        str(bad),
+        str(tmp_path / "out"),
+    ]
     result = run_command(command, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    ranks = sorted(
+        (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
     assert [(r["rank"], r["world"], r["built"]) for r in ranks] == [(0, 2, 2), (1, 2, 0)]
-    assert ranks[0]["bad"] == ranks[1]["bad"] == f"{bad}: row 2: missing field 'completion'; fix the row or set skip_invalid_rows: true"
+    assert (
+        ranks[0]["bad"]
+        == ranks[1]["bad"]
+        == f"{bad}: row 2: missing field 'completion'; fix the row or set skip_invalid_rows: true"
+    )
     assert ranks[0]["train"] == ranks[1]["train"] and len(ranks[0]["train"]) == 2
     assert ranks[0]["held_out"] == ranks[1]["held_out"] and len(ranks[0]["held_out"]) == 1
     assert result.stdout.count("[fsdp-peft] data: train 2 rows") == 1  # reported by rank 0 only
@@ -91,7 +110,10 @@ def test_two_ranks_tokenize_on_rank_0_only_and_share_errors(tmp_path, tiny_model
         (["--data_format", "alpaca"], "data_format: 'alpaca' is not one of auto, prompt_completion, instruction"),
         (["--truncation", "middle"], "truncation: 'middle' is not one of right, left, drop"),
         (["--eval_split", "1.5"], "eval_split: 1.5 is not a fraction in [0, 1)"),
-        (["--dataset", "./no/such/dir"], "dataset: './no/such/dir' is neither 'tiny-reverse' nor a directory or data file"),
+        (
+            ["--dataset", "./no/such/dir"],
+            "dataset: './no/such/dir' is neither 'tiny-reverse' nor a directory or data file",
+        ),
         (["--dataset", "{empty}"], "dataset: directory '{empty}' holds no .jsonl, .json, .parquet, .csv files"),
         (["--train_file", "{text}"], "train_file: '{text}' is not a data file (.jsonl, .json, .parquet, .csv)"),
     ],
@@ -109,5 +131,7 @@ def test_bad_data_settings_are_config_errors(tmp_path, argv, message):
 
 
 def test_a_hub_dataset_id_passes_validation(tmp_path):
-    recipe, _ = parse_recipe_config(["--dataset", "org/chats", "--dataset_eval_split", "test"], LORA_TINY, str(tmp_path))
+    recipe, _ = parse_recipe_config(
+        ["--dataset", "org/chats", "--dataset_eval_split", "test"], LORA_TINY, str(tmp_path)
+    )
     assert data.data_sources(recipe)[1] == data.Source(hub=("org/chats", None, "test"))

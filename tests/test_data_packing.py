@@ -23,7 +23,9 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def model(request, tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=request.param).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=request.param
+    ).eval()
 
 
 @pytest.fixture
@@ -35,7 +37,9 @@ def rows_file(tmp_path, monkeypatch):
 
 
 def packed_and_unpacked(tokenizer, path, max_seq_length=64):
-    packed, _, _ = load_data(RecipeArguments(train_file=str(path), packing=True, max_seq_length=max_seq_length), tokenizer)
+    packed, _, _ = load_data(
+        RecipeArguments(train_file=str(path), packing=True, max_seq_length=max_seq_length), tokenizer
+    )
     unpacked, _, _ = load_data(RecipeArguments(train_file=str(path), max_seq_length=max_seq_length), tokenizer)
     return packed, unpacked
 
@@ -53,8 +57,8 @@ def test_packed_rows_hold_whole_examples_with_restarting_positions(tokenizer, ro
             pieces.append(tuple(row["input_ids"][start:end]))
     assert sorted(pieces) == examples  # every example exactly once, none split
     assert len(packed) < len(unpacked) == len(WORDS)
-    trained = sum(l != IGNORE_INDEX for r in packed for l in r["labels"])
-    assert trained == sum(l != IGNORE_INDEX for r in unpacked for l in r["labels"])
+    trained = sum(label != IGNORE_INDEX for r in packed for label in r["labels"])
+    assert trained == sum(label != IGNORE_INDEX for r in unpacked for label in r["labels"])
 
 
 def test_no_attention_crosses_an_example_boundary(tokenizer, rows_file, model):
@@ -66,7 +70,9 @@ def test_no_attention_crosses_an_example_boundary(tokenizer, rows_file, model):
     with torch.no_grad():
         together = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0, second:end]
         alone = model(input_ids=torch.tensor([row["input_ids"][second:end]])).logits[0]
-        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0, second:end]  # KV cache
+        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[
+            0, second:end
+        ]  # KV cache
     assert together.shape == alone.shape
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
     assert (leaky - alone).abs().max() > 1e-2  # why the collator passes use_cache=False

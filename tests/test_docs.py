@@ -66,25 +66,62 @@ PLACEHOLDER_FILES = {
 # `fsdp-peft plan` and `validate` see the real shapes with no network.
 HUB_CONFIGS = {
     "meta-llama/Llama-3.1-8B-Instruct": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-        "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-        "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "use_cache": True, "vocab_size": 128256,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "use_cache": True,
+        "vocab_size": 128256,
     },
     "Qwen/Qwen2.5-7B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
-        "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
-        "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": 3584,
+        "initializer_range": 0.02,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 28,
+        "num_attention_heads": 28,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 152064,
     },
-}  # fmt: skip
+}
 
 
 def _fenced_blocks(page: Path, languages: set[str]):
@@ -227,39 +264,52 @@ INSTEAD: dict[str, Run] = {
         why="is this test suite: .ci/run runs the documented line verbatim",
     ),
     "$EDITOR my.yaml": Run(
-        "fsdp-peft validate my.yaml", (("my.yaml", _edited(MY_YAML, "lora_r: 16 ", "lora_r: 8 ")),),
+        "fsdp-peft validate my.yaml",
+        (("my.yaml", _edited(MY_YAML, "lora_r: 16 ", "lora_r: 8 ")),),
         why="an editor: the copy with lora_r changed, validated",
     ),
-    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/qwen_qlora.py --config my.yaml":
-        _validate("my.yaml", "configs/accelerate/fsdp2.yaml", GPU),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/qwen_qlora.py --config my.yaml": _validate(
+        "my.yaml", "configs/accelerate/fsdp2.yaml", GPU
+    ),
     "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/llama_qlora.py "
     "--config configs/llama_qlora/llama3_1_8b.yaml --learning_rate 1e-4": _validate(
-        "launched.yaml", "configs/accelerate/fsdp2.yaml", GPU,
+        "launched.yaml",
+        "configs/accelerate/fsdp2.yaml",
+        GPU,
         **{"launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nlearning_rate: 1.0e-4\n"},
     ),
     "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/llama_lora.py "
-    "--config configs/llama_lora/llama3_1_8b.yaml":
-        _validate("configs/llama_lora/llama3_1_8b.yaml", "configs/accelerate/fsdp2.yaml", GPU),
+    "--config configs/llama_lora/llama3_1_8b.yaml": _validate(
+        "configs/llama_lora/llama3_1_8b.yaml", "configs/accelerate/fsdp2.yaml", GPU
+    ),
     "accelerate launch --config_file configs/accelerate/fsdp2.yaml --fsdp_cpu_ram_efficient_loading true "
     "recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml": _validate(
-        "configs/llama_qlora/llama3_1_8b.yaml", "launcher.yaml", GPU,
+        "configs/llama_qlora/llama3_1_8b.yaml",
+        "launcher.yaml",
+        GPU,
         **{"launcher.yaml": _accelerate_config_with("fsdp2.yaml", "fsdp_cpu_ram_efficient_loading", "true")},
     ),
     "accelerate launch --config_file configs/accelerate/multinode_fsdp2.yaml --num_machines 2 --num_processes 16 "
     "--machine_rank 0 --main_process_ip node0.cluster --main_process_port 29500 recipes/llama_qlora.py "
-    "--config configs/llama_qlora/llama3_1_8b.yaml":
-        _validate("configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/multinode_fsdp2.yaml", NODES),
+    "--config configs/llama_qlora/llama3_1_8b.yaml": _validate(
+        "configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/multinode_fsdp2.yaml", NODES
+    ),
     "torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr node0.cluster --master_port 29500 "
-    "recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml --fsdp \"full_shard auto_wrap\" "
-    "--fsdp_config '{\"version\": 2, \"state_dict_type\": \"SHARDED_STATE_DICT\"}'": _validate(
-        "launched.yaml", "torchrun.yaml", NODES + "; torchrun's 2 x 8 ranks as a launcher config without FSDP",
-        **{"launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nfsdp: full_shard auto_wrap\n"
-                            'fsdp_config: {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}\n',
-           "torchrun.yaml": TORCHRUN_2X8},
+    'recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml --fsdp "full_shard auto_wrap" '
+    '--fsdp_config \'{"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}\'': _validate(
+        "launched.yaml",
+        "torchrun.yaml",
+        NODES + "; torchrun's 2 x 8 ranks as a launcher config without FSDP",
+        **{
+            "launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nfsdp: full_shard auto_wrap\n"
+            'fsdp_config: {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}\n',
+            "torchrun.yaml": TORCHRUN_2X8,
+        },
     ),
     "accelerate launch --config_file configs/accelerate/hsdp_fsdp2.yaml --machine_rank 0 "
-    "--main_process_ip node0.cluster recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml":
-        _validate("configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/hsdp_fsdp2.yaml", NODES),
+    "--main_process_ip node0.cluster recipes/llama_qlora.py --config configs/llama_qlora/llama3_1_8b.yaml": _validate(
+        "configs/llama_qlora/llama3_1_8b.yaml", "configs/accelerate/hsdp_fsdp2.yaml", NODES
+    ),
     "sbatch configs/slurm/recipe.sbatch": Run(
         "DRY_RUN=1 SLURM_JOB_NODELIST=node1,node2 bash configs/slurm/recipe.sbatch", why=SLURM
     ),
@@ -281,7 +331,7 @@ INSTEAD: dict[str, Run] = {
     "bash benchmarks/gpu_check.sh": Run(
         "bash benchmarks/gpu_check.sh --dry-run", why="needs a GPU: its documented CPU dry run, same code"
     ),
-}  # fmt: skip
+}
 
 
 def _recipe_launch(command: str) -> str | None:
@@ -390,10 +440,14 @@ class Workspaces:
         if IN_PROCESS.match(command):
             return Outcome(workspace, command, *_fsdp_peft_here(command.split()[1:], workspace, self.hub))
         environment = {
-            **os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(self.hub),
-        }  # fmt: skip
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_CACHE": str(self.hub),
+        }
         result = subprocess.run(
             ["bash", "-c", command], cwd=workspace, env=environment, capture_output=True, text=True, timeout=900
         )
@@ -470,6 +524,11 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         nodes = re.search(r"(?:NODES|SLURM_JOB_NODELIST)=(\S+)", command).group(1).split(",")
         launchers = re.findall(r"(?m)^node (\d+) (\S+): accelerate launch --machine_rank (\d+) ", outcome.stdout)
         assert launchers == [(str(rank), node, str(rank)) for rank, node in enumerate(nodes)], outcome.stdout
+        recipe_args = command.split("recipe.sbatch")[1].strip()
+        assert all(line.endswith(recipe_args) for line in outcome.stdout.splitlines()[1:]), outcome.stdout
+        if "hsdp_fsdp2.yaml" in command:
+            sizes = f"--parallelism_config_dp_replicate_size {len(nodes)} --parallelism_config_dp_shard_size 8"
+            assert sizes in outcome.stdout, outcome.stdout
     elif "benchmarks/gpu_check.sh" in command:
         assert "[gpu_check] results: " in output
     elif "benchmarks/train_cpu.py" in command:

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_command
+from conftest import REPO, run_command, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import export_merged, parse_size
+from fsdp_peft.export import export_merged
+from fsdp_peft.safetensors_io import parse_size
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,9 @@ def _base_variant(tmp_path, tiny_model_dir, **changes):
         ({"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}, "is [64, 64] in base"),
     ],
 )
-def test_adapter_that_does_not_fit_the_base_is_refused_before_writing(adapter_dir, tiny_model_dir, tmp_path, changes, message):
+def test_adapter_that_does_not_fit_the_base_is_refused_before_writing(
+    adapter_dir, tiny_model_dir, tmp_path, changes, message
+):
     base = _base_variant(tmp_path, tiny_model_dir, **changes)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         export_merged(adapter_dir, tmp_path / "out", base=str(base), progress=False)
@@ -67,7 +70,9 @@ def test_adapter_for_another_architecture_is_refused_before_writing(adapter_dir,
 
     base = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300)).save_pretrained(base)
-    with pytest.raises(ConfigError, match="which base .* does not have \\(different architecture, or the wrong --base\\)"):
+    with pytest.raises(
+        ConfigError, match="which base .* does not have \\(different architecture, or the wrong --base\\)"
+    ):
         export_merged(adapter_dir, tmp_path / "out", base=str(base), progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -101,16 +106,13 @@ def test_shards_respect_the_maximum_size_and_are_indexed(adapter_dir, tmp_path):
 def test_nf4_variant_merges_onto_the_weights_4bit_training_saw(adapter_dir, tiny_model_dir, tmp_path):
     """The independent reference: transformers' own 4-bit load of the base, dequantized by bitsandbytes."""
     import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     out = export_merged(adapter_dir, tmp_path / "nf4", dtype="fp32", base_variant="nf4", progress=False)
     merged = load_file(out / "model.safetensors")
-    exact = load_file(export_merged(adapter_dir, tmp_path / "exact", dtype="fp32", progress=False) / "model.safetensors")
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
-    )  # fmt: skip
-    quantized = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
+    exact = load_file(
+        export_merged(adapter_dir, tmp_path / "exact", dtype="fp32", progress=False) / "model.safetensors"
+    )
+    quantized = tiny_llama_in_4bit(tiny_model_dir)
     adapter = load_file(adapter_dir / "adapter_model.safetensors")
     for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
         weight = quantized.get_submodule(name).weight
@@ -132,7 +134,8 @@ def test_killed_export_leaves_no_output_that_looks_complete(adapter_dir, tmp_pat
         "def slow_write(self, key, tensor):\n"
         "    write(self, key, tensor); time.sleep(0.05)\n"
         "export.StreamingShardWriter.write = slow_write\n"
-        f"export.export_merged({str(adapter_dir)!r}, {str(out)!r}, dtype='fp32', max_shard_size='200KB', progress=False)\n"
+        f"export.export_merged({str(adapter_dir)!r}, {str(out)!r}, dtype='fp32', max_shard_size='200KB', "
+        "progress=False)\n"
     )
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 60

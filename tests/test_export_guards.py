@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_command
+from conftest import REPO, run_command, tiny_llama_in_4bit
 from fsdp_peft.export import BASE_FILE, base_record, export_merged, nf4_round_trip
 
 CLI = [sys.executable, "-m", "fsdp_peft.cli"]
@@ -63,8 +63,12 @@ def adapter(tmp_path_factory, tiny_model_dir) -> Path:
     """A LoRA adapter trained (so to speak) on the 16-bit tiny Llama, with fsdp-peft's records."""
     from transformers import AutoModelForCausalLM
 
-    recipe = {"model_name_or_path": str(tiny_model_dir), "torch_dtype": "float32", "load_in_4bit": False,
-              "use_chat_template": False}  # fmt: skip
+    recipe = {
+        "model_name_or_path": str(tiny_model_dir),
+        "torch_dtype": "float32",
+        "load_in_4bit": False,
+        "use_chat_template": False,
+    }
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return _lora_on(model, tmp_path_factory.mktemp("adapter"), recipe)
 
@@ -72,13 +76,7 @@ def adapter(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def qlora_adapter(tmp_path_factory, tiny_model_dir) -> Path:
     """A LoRA adapter on the tiny Llama loaded in 4 bits, as the QLoRA recipe loads it."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
+    model = tiny_llama_in_4bit(tiny_model_dir)
     directory = tmp_path_factory.mktemp("qlora_adapter")
     model.save_pretrained(directory.parent / f"{directory.name}_prequantized_base")  # a 4-bit checkpoint of it
     recipe = {"model_name_or_path": str(tiny_model_dir), "torch_dtype": "bfloat16", "load_in_4bit": True}
@@ -87,7 +85,7 @@ def qlora_adapter(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen2_base():
-    from fsdp_peft.tiny import tiny_model_path
+    from fsdp_peft.paths import tiny_model_path
 
     return tiny_model_path("tiny-qwen2")
 
@@ -129,10 +127,18 @@ def test_adapter_records_the_base_it_was_trained_on(adapter, tiny_model_dir):
     record = json.loads((adapter / BASE_FILE).read_text())
     assert record["architecture"] == "LlamaForCausalLM" and record["model_type"] == "llama"
     assert record["fields"] == {
-        "model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 262,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    }  # fmt: skip
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 262,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
     assert len(record["fingerprint"]) == 16
 
 
@@ -146,8 +152,9 @@ def test_base_loaded_in_4bit_and_a_prequantized_copy_have_the_original_fingerpri
 
 
 def test_export_refuses_an_adapter_on_a_base_of_another_architecture(adapter, qwen2_base, tmp_path):
-    line = refused(["export", str(adapter), "--base", "tiny-qwen2", "--out", str(tmp_path / "out")],
-                   tmp_path, adapter, qwen2_base)  # fmt: skip
+    line = refused(
+        ["export", str(adapter), "--base", "tiny-qwen2", "--out", str(tmp_path / "out")], tmp_path, adapter, qwen2_base
+    )
     assert line == (
         f"error: --base: adapter {adapter} was trained on a LlamaForCausalLM (model_type llama) base, but "
         f"{qwen2_base} is a Qwen2ForCausalLM (model_type qwen2); pass the base it was trained on with --base, "
@@ -156,8 +163,12 @@ def test_export_refuses_an_adapter_on_a_base_of_another_architecture(adapter, qw
 
 
 def test_generate_refuses_an_adapter_on_a_base_of_another_architecture(adapter, qwen2_base, tmp_path):
-    line = refused(["generate", str(adapter), "--base", str(qwen2_base), "--prompt", "reverse: hello"],
-                   tmp_path, adapter, qwen2_base)  # fmt: skip
+    line = refused(
+        ["generate", str(adapter), "--base", str(qwen2_base), "--prompt", "reverse: hello"],
+        tmp_path,
+        adapter,
+        qwen2_base,
+    )
     assert line.startswith(f"error: --base: adapter {adapter} was trained on a LlamaForCausalLM (model_type llama) ")
     assert line.endswith(f"or add --allow-base-mismatch to use {qwen2_base} anyway")
 
@@ -180,8 +191,20 @@ def test_export_refuses_the_same_architecture_with_another_config(adapter, tiny_
 
 def test_allow_base_mismatch_merges_onto_the_other_base_with_one_warning(adapter, qwen2_base, tmp_path):
     out = tmp_path / "out"
-    result = run_command([*CLI, "export", str(adapter), "--base", str(qwen2_base), "--out", str(out),
-                          "--dtype", "fp32", "--allow-base-mismatch"])  # fmt: skip
+    result = run_command(
+        [
+            *CLI,
+            "export",
+            str(adapter),
+            "--base",
+            str(qwen2_base),
+            "--out",
+            str(out),
+            "--dtype",
+            "fp32",
+            "--allow-base-mismatch",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert stderr_lines(result.stderr, "warning:") == [
         f"warning: --allow-base-mismatch: adapter {adapter} was trained on a LlamaForCausalLM (model_type llama) "
@@ -193,8 +216,21 @@ def test_allow_base_mismatch_merges_onto_the_other_base_with_one_warning(adapter
 
 
 def test_generate_with_allow_base_mismatch_warns_once_and_generates(adapter, qwen2_base):
-    result = run_command([*CLI, "generate", str(adapter), "--base", str(qwen2_base), "--allow-base-mismatch",
-                          "--prompt", "reverse: hello", "--max-new-tokens", "4", "--json"])  # fmt: skip
+    result = run_command(
+        [
+            *CLI,
+            "generate",
+            str(adapter),
+            "--base",
+            str(qwen2_base),
+            "--allow-base-mismatch",
+            "--prompt",
+            "reverse: hello",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(stderr_lines(result.stderr, "warning: --allow-base-mismatch: adapter ")) == 1
     assert [json.loads(line)["prompt"] for line in result.stdout.splitlines()] == ["reverse: hello"]
@@ -230,8 +266,12 @@ def test_adapter_without_a_record_is_accepted_with_one_note(adapter, tiny_model_
 
 
 def test_nf4_variant_of_an_adapter_trained_in_16_bit_is_refused(adapter, tiny_model_dir, tmp_path):
-    line = refused(["export", str(adapter), "--out", str(tmp_path / "out"), "--base-variant", "nf4"],
-                   tmp_path, adapter, tiny_model_dir)  # fmt: skip
+    line = refused(
+        ["export", str(adapter), "--out", str(tmp_path / "out"), "--base-variant", "nf4"],
+        tmp_path,
+        adapter,
+        tiny_model_dir,
+    )
     assert line == (
         f"error: --base-variant nf4: adapter {adapter} was trained on the 16-bit base (its fsdp_peft_recipe.json "
         "has load_in_4bit: false), so merging it onto NF4 weights changes the model it learned; use --base-variant "
@@ -240,8 +280,9 @@ def test_nf4_variant_of_an_adapter_trained_in_16_bit_is_refused(adapter, tiny_mo
 
 
 def test_forced_nf4_variant_merges_and_the_card_says_the_adapter_was_16_bit(adapter, tiny_model_dir, tmp_path, capsys):
-    out = export_merged(adapter, tmp_path / "out", dtype="fp32", base_variant="nf4", force_base_variant=True,
-                        progress=False)  # fmt: skip
+    out = export_merged(
+        adapter, tmp_path / "out", dtype="fp32", base_variant="nf4", force_base_variant=True, progress=False
+    )
     assert capsys.readouterr().err.splitlines() == [
         f"warning: --force-base-variant: adapter {adapter} was trained on the 16-bit base (its fsdp_peft_recipe.json "
         "has load_in_4bit: false); merging it onto the NF4 round trip of the base, as asked"
@@ -267,10 +308,25 @@ def test_qlora_adapter_merges_onto_nf4_as_trained(qlora_adapter, tmp_path, capsy
 def _paused_export(adapter: Path, out: Path, control: Path) -> subprocess.Popen:
     """Start a CLI export of ``adapter`` to ``out`` and return once it is paused mid-write (shards on disk)."""
     control.mkdir(exist_ok=True)
-    arguments = [str(control / "paused"), str(control / "resume"), "export", str(adapter), "--out", str(out),
-                 "--dtype", "fp32", "--max-shard-size", "200KB"]  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-c", PAUSED_EXPORT, *arguments], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    arguments = [
+        str(control / "paused"),
+        str(control / "resume"),
+        "export",
+        str(adapter),
+        "--out",
+        str(out),
+        "--dtype",
+        "fp32",
+        "--max-shard-size",
+        "200KB",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_EXPORT, *arguments],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (control / "paused").exists():
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]

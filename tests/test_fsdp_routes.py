@@ -9,20 +9,41 @@ settings. 3 steps on 2 gloo ranks each; units from ``fsdp_layout.json``, losses 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launch_recipe, logged_losses, read_json, run_command
+from conftest import (
+    REPO,
+    launch_recipe,
+    logged_losses,
+    read_json,
+    recipe_torchrun_command,
+    run_command,
+    tiny_llama_in_4bit,
+)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
 COMMON = [
-    "--max_steps", str(STEPS), "--logging_steps", "1", "--warmup_steps", "0", "--per_device_train_batch_size", "4",
-    "--generate_samples", "0", "--generate_eval_samples", "0", "--eval_strategy", "no", "--save_strategy", "no",
-]  # fmt: skip
+    "--max_steps",
+    str(STEPS),
+    "--logging_steps",
+    "1",
+    "--warmup_steps",
+    "0",
+    "--per_device_train_batch_size",
+    "4",
+    "--generate_samples",
+    "0",
+    "--generate_eval_samples",
+    "0",
+    "--eval_strategy",
+    "no",
+    "--save_strategy",
+    "no",
+]
 ACCELERATE = REPO / "configs" / "accelerate"
 
 # The FSDP config file of the transformers FSDP2 guide, as printed there.
@@ -38,17 +59,21 @@ GUIDE_JSON = """{
 }
 """
 # The same settings as an accelerate config (the guide's other route).
-GUIDE_ACCELERATE = (ACCELERATE / "cpu_fsdp2.yaml").read_text().replace(
-    "  fsdp_state_dict_type: SHARDED_STATE_DICT        # checkpoints stay sharded\n"
-    "  fsdp_cpu_ram_efficient_loading: false\n",
-    "  fsdp_state_dict_type: FULL_STATE_DICT\n"
-    "  fsdp_cpu_ram_efficient_loading: true\n"
-    "  fsdp_activation_checkpointing: true\n"
-    "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+GUIDE_ACCELERATE = (
+    (ACCELERATE / "cpu_fsdp2.yaml")
+    .read_text()
+    .replace(
+        "  fsdp_state_dict_type: SHARDED_STATE_DICT        # checkpoints stay sharded\n"
+        "  fsdp_cpu_ram_efficient_loading: false\n",
+        "  fsdp_state_dict_type: FULL_STATE_DICT\n"
+        "  fsdp_cpu_ram_efficient_loading: true\n"
+        "  fsdp_activation_checkpointing: true\n"
+        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+    )
 )
 # CPU offload, as an accelerate config.
-OFFLOAD_ACCELERATE = (ACCELERATE / "cpu_fsdp2.yaml").read_text().replace(
-    "  fsdp_offload_params: false", "  fsdp_offload_params: true"
+OFFLOAD_ACCELERATE = (
+    (ACCELERATE / "cpu_fsdp2.yaml").read_text().replace("  fsdp_offload_params: false", "  fsdp_offload_params: true")
 )
 NO_FSDP = """compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
@@ -65,23 +90,32 @@ ROUTES = {
     "guide-json-file": ("llama_lora", "guide", "torchrun", "fsdp: true\nfsdp_config: {json}\n"),
     "bool-and-mapping": ("llama_lora", "fsdp2", "torchrun", "fsdp: true\nfsdp_config:\n  version: 2\n"),
     "string-prefixed-keys-qlora": (
-        "llama_qlora", "fsdp2", "torchrun",
-        "fsdp: full_shard auto_wrap\nfsdp_config:\n  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+        "llama_qlora",
+        "fsdp2",
+        "torchrun",
+        "fsdp: full_shard auto_wrap\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
     ),
     "shard-grad-op-list": ("llama_lora", "fsdp2", "torchrun", "fsdp: [shard_grad_op, auto_wrap]\n"),
     "fsdp1-list-accelerate-spellings": (
-        "llama_lora", "fsdp1", "torchrun",
+        "llama_lora",
+        "fsdp1",
+        "torchrun",
         "fsdp: [full_shard, auto_wrap]\nfsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: FULL_SHARD\n"
         "  fsdp_offload_params: false\n  fsdp_use_orig_params: false\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n",
     ),
     "fsdp1-string-qlora": (
-        "llama_qlora", "fsdp1", "torchrun",
-        "fsdp: full_shard auto_wrap\nfsdp_config: '{{\"version\": 1, \"use_orig_params\": false}}'\n",
+        "llama_qlora",
+        "fsdp1",
+        "torchrun",
+        'fsdp: full_shard auto_wrap\nfsdp_config: \'{{"version": 1, "use_orig_params": false}}\'\n',
     ),
     "accelerate-without-fsdp": ("llama_lora", "fsdp2", NO_FSDP, "fsdp: true\n"),
     "accelerate-and-recipe-agree": ("llama_lora", "fsdp2", "fsdp2", "fsdp: true\nfsdp_config:\n  version: 2\n"),
     "offload-string": (
-        "llama_lora", "offload", "torchrun",
+        "llama_lora",
+        "offload",
+        "torchrun",
         "fsdp: full_shard offload auto_wrap\nfsdp_config:\n  transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
     ),
 }
@@ -101,7 +135,9 @@ def reference_run(recipe: str, config: str, tmp_path_factory) -> Path:
     """The recipe under an accelerate config with the same FSDP settings (cached per recipe and config)."""
     if (recipe, config) not in _references:
         out = tmp_path_factory.mktemp(f"reference_{recipe}_{config}")
-        launch_recipe(recipe, *COMMON, "--output_dir", str(out), accelerate_config=_accelerate_config(config, tmp_path_factory))
+        launch_recipe(
+            recipe, *COMMON, "--output_dir", str(out), accelerate_config=_accelerate_config(config, tmp_path_factory)
+        )
         _references[recipe, config] = out
     return _references[recipe, config]
 
@@ -117,18 +153,21 @@ def route(request, tmp_path_factory, tiny_model_dir):
     out = work / "out"
     argv = ["--config", str(config), *COMMON, "--output_dir", str(out)]
     if launcher == "torchrun":
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(REPO / "recipes" / f"{recipe}.py"), *argv,
-        ]  # fmt: skip
+        command = recipe_torchrun_command(recipe, *argv)
         result = run_command(command)
         assert result.returncode == 0, result.stderr[-6000:]
     else:
         accelerate = work / "accelerate.yaml"
-        accelerate.write_text(launcher if "distributed_type" in launcher else (ACCELERATE / f"cpu_{launcher}.yaml").read_text())
+        accelerate.write_text(
+            launcher if "distributed_type" in launcher else (ACCELERATE / f"cpu_{launcher}.yaml").read_text()
+        )
         result = launch_recipe(recipe, *argv, accelerate_config=accelerate)
-    return {"name": request.param, "out": out, "reference": reference_run(recipe, reference, tmp_path_factory),
-            "stdout": result.stdout}  # fmt: skip
+    return {
+        "name": request.param,
+        "out": out,
+        "reference": reference_run(recipe, reference, tmp_path_factory),
+        "stdout": result.stdout,
+    }
 
 
 def test_the_route_shards_the_same_units_as_the_accelerate_config(route):
@@ -155,7 +194,9 @@ def test_the_route_records_its_fsdp_version_like_the_accelerate_config(route):
 
 def test_a_recipe_and_an_accelerate_config_that_disagree_are_refused_in_one_line(tmp_path):
     config = tmp_path / "v2.yaml"
-    config.write_text(f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nfsdp: true\nfsdp_config:\n  version: 2\n")
+    config.write_text(
+        f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nfsdp: true\nfsdp_config:\n  version: 2\n"
+    )
     result = run_command(
         ["fsdp-peft", "validate", str(config), "--accelerate-config", str(ACCELERATE / "cpu_fsdp1.yaml")], timeout=300
     )
@@ -172,17 +213,15 @@ def test_fsdp2_full_state_dict_checkpoints_hold_whole_adapter_tensors_and_resume
     fixed in the pinned version), so fsdp-peft accepts them: a resume repeats the uninterrupted run."""
     from safetensors.torch import load_file
 
-    quick = [
-        "--max_steps", "4", "--logging_steps", "1", "--warmup_steps", "0", "--per_device_train_batch_size", "4",
-        "--generate_samples", "0", "--generate_eval_samples", "0", "--eval_strategy", "no",
-        "--lr_scheduler_type", "constant", "--save_strategy", "steps", "--save_steps", "2",
-        "--fsdp", "true", "--fsdp_config", '{"state_dict_type": "FULL_STATE_DICT"}',
-    ]  # fmt: skip
+    quick = [  # the common options, then these (the command line's last value of a key wins)
+        *COMMON,
+        *("--max_steps", "4", "--lr_scheduler_type", "constant", "--save_strategy", "steps", "--save_steps", "2"),
+        *("--fsdp", "true", "--fsdp_config", '{"state_dict_type": "FULL_STATE_DICT"}'),
+    ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
 
     def torchrun_recipe(*argv: str):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), str(REPO / "recipes" / "llama_lora.py"), *quick, *argv]  # fmt: skip
+        command = recipe_torchrun_command("llama_lora", *quick, *argv)
         result = run_command(command)
         assert result.returncode == 0, result.stderr[-4000:]
         return result
@@ -204,14 +243,8 @@ def test_fsdp2_full_state_dict_checkpoints_hold_whole_adapter_tensors_and_resume
 def test_a_prequantized_4bit_base_trains_like_quantizing_on_load(tmp_path_factory, tiny_model_dir):
     """A bitsandbytes 4-bit checkpoint (bf16 storage) as the base: the same losses as the 16-bit base quantized
     on load under the same accelerate config."""
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     work = tmp_path_factory.mktemp("prequantized")
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
-    model.save_pretrained(work / "base")
+    tiny_llama_in_4bit(tiny_model_dir).save_pretrained(work / "base")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_model_dir / name, work / "base")
     out = work / "out"

@@ -26,11 +26,32 @@ NEW_TOKENS = ["--max-new-tokens", "12"]
 def trained(tmp_path_factory, tiny_model_dir):
     output_dir = tmp_path_factory.mktemp("generate_source")
     launch_recipe(
-        "llama_lora", "--output_dir", str(output_dir), "--max_steps", "100", "--warmup_steps", "0",
-        "--lr_scheduler_type", "constant", "--save_strategy", "steps", "--save_steps", "100",
-        "--generate_samples", "0", "--generate_eval_samples", "2", "--eval_strategy", "steps", "--eval_steps", "50",
-        "--export_merged", "true", "--export_dtype", "fp32",
-    )  # fmt: skip
+        "llama_lora",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "100",
+        "--warmup_steps",
+        "0",
+        "--lr_scheduler_type",
+        "constant",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "100",
+        "--generate_samples",
+        "0",
+        "--generate_eval_samples",
+        "2",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "50",
+        "--export_merged",
+        "true",
+        "--export_dtype",
+        "fp32",
+    )
     return output_dir
 
 
@@ -53,7 +74,9 @@ def reference(trained, tiny_model_dir) -> list[str]:
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), trained / "adapter")
     completions = []
     for prompt in PROMPTS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -85,8 +108,14 @@ def test_merged_model_directory_with_a_prompts_file(trained, reference, tmp_path
 
 
 def test_training_output_dir_with_prompts_on_stdin(trained, reference):
-    result = subprocess.run([*CLI, str(trained), *NEW_TOKENS, "--greedy"], input="\n".join(PROMPTS), cwd=REPO,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [*CLI, str(trained), *NEW_TOKENS, "--greedy"],
+        input="\n".join(PROMPTS),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     expected = "".join(f">>> {prompt}\n{completion}\n\n" for prompt, completion in zip(PROMPTS, reference))
     assert result.stdout == expected
@@ -96,10 +125,22 @@ def test_sharded_checkpoint_under_accelerate_launch(trained, reference, tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
-        "--main_process_port", str(free_port()), "-m", "fsdp_peft.cli", "generate", str(trained / "checkpoint-100"),
-        "--prompts-file", str(prompts), *NEW_TOKENS, "--json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CPU_FSDP2),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "fsdp_peft.cli",
+        "generate",
+        str(trained / "checkpoint-100"),
+        "--prompts-file",
+        str(prompts),
+        *NEW_TOKENS,
+        "--json",
+    ]
     result = run_command(command)
     assert _json_completions(result) == reference
     assert "sharded over 2 ranks" in result.stderr
@@ -109,8 +150,22 @@ def test_single_prompt_is_streamed_and_sampling_is_seeded(trained, reference):
     streamed = run_command([*CLI, str(trained / "adapter"), "--prompt", PROMPTS[0], *NEW_TOKENS])
     assert streamed.returncode == 0 and streamed.stdout == reference[0] + "\n"
     sampled = [
-        run_command([*CLI, str(trained / "adapter"), "--prompt", *PROMPTS, *NEW_TOKENS, "--json",
-                     "--temperature", "1.5", "--top-p", "0.95", "--seed", "3"])  # fmt: skip
+        run_command(
+            [
+                *CLI,
+                str(trained / "adapter"),
+                "--prompt",
+                *PROMPTS,
+                *NEW_TOKENS,
+                "--json",
+                "--temperature",
+                "1.5",
+                "--top-p",
+                "0.95",
+                "--seed",
+                "3",
+            ]
+        )
         for _ in range(2)
     ]
     assert _json_completions(sampled[0]) == _json_completions(sampled[1])
@@ -128,6 +183,8 @@ def test_single_prompt_is_streamed_and_sampling_is_seeded(trained, reference):
 def test_bad_sources_and_options_are_clear_errors(tmp_path, arguments, message):
     (tmp_path / "notes.txt").write_text("not a model")
     arguments = [a.format(tmp=tmp_path) for a in arguments]
-    result = run_command([*CLI, *arguments, "--prompt", "x"] if "--prompts-file" not in arguments else [*CLI, *arguments])
+    result = run_command(
+        [*CLI, *arguments, "--prompt", "x"] if "--prompts-file" not in arguments else [*CLI, *arguments]
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"error: {message.format(tmp=tmp_path)}"), result.stderr[-2000:]

@@ -23,10 +23,23 @@ _runs: dict = {}
 def launch_loading_check(out, *launch_flags: str, qlora: bool = False) -> dict:
     """One ``accelerate launch`` of the check; returns rank 0's report (and leaves per-rank shards in ``out``)."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
-        "--num_processes", "2", "--main_process_port", str(free_port()), *launch_flags,
-        str(CHECK), "--out", str(out), "--steps", str(STEPS), *(["--qlora"] if qlora else []),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CPU_FSDP2),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        *launch_flags,
+        str(CHECK),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        *(["--qlora"] if qlora else []),
+    ]
     result = run_command(command)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return {**last_json_line(result.stdout), "stdout": result.stdout}
@@ -92,7 +105,9 @@ def test_low_memory_loading_is_asked_for_by_fsdp2_cpu_ram_efficient_loading_on_s
     recipe_route = {"fsdp": True, "fsdp_config": {"cpu_ram_efficient_loading": True}}  # FSDP2 by default
     assert not requested(WORLD_SIZE="2")
     assert low_memory_loading_requested(recipe_route)
-    assert not low_memory_loading_requested({**recipe_route, "fsdp_config": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"}})
+    assert not low_memory_loading_requested(
+        {**recipe_route, "fsdp_config": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"}}
+    )
 
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])

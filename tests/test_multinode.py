@@ -27,13 +27,29 @@ SBATCH = REPO / "configs" / "slurm" / "recipe.sbatch"
 MULTINODE = REPO / "configs" / "accelerate" / "multinode_fsdp2.yaml"
 HSDP = REPO / "configs" / "accelerate" / "hsdp_fsdp2.yaml"
 COMMON = [
-    "--logging_steps", "1", "--generate_samples", "0", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
-]  # fmt: skip
+    "--logging_steps",
+    "1",
+    "--generate_samples",
+    "0",
+    "--warmup_steps",
+    "0",
+    "--lr_scheduler_type",
+    "constant",
+]
 GLOBAL_BATCH = 32
 SCRIPT_VARIABLES = {
-    "RECIPE", "CONFIG", "ACCELERATE_CONFIG", "GPUS_PER_NODE", "MAIN_PROCESS_IP", "MAIN_PROCESS_PORT", "NODES",
-    "DRY_RUN", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_PER_TASK",
-}  # fmt: skip
+    "RECIPE",
+    "CONFIG",
+    "ACCELERATE_CONFIG",
+    "GPUS_PER_NODE",
+    "MAIN_PROCESS_IP",
+    "MAIN_PROCESS_PORT",
+    "NODES",
+    "DRY_RUN",
+    "SLURM_JOB_NODELIST",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_CPUS_PER_TASK",
+}
 STAND_IN_SRUN = """#!/usr/bin/env bash
 # srun on one machine: the command once per node of the step, concurrently, each with its SLURM_NODEID.
 nodes=1
@@ -54,12 +70,19 @@ def run_sbatch(env: dict[str, str], *recipe_args: str, srun_dir=None) -> subproc
     """``bash configs/slurm/recipe.sbatch`` with Slurm-like variables, from the repository root."""
     path = [str(srun_dir)] if srun_dir else []
     path += [os.path.dirname(sys.executable), os.environ["PATH"]]  # `accelerate` of this interpreter
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                "PATH": os.pathsep.join(path), **env}  # fmt: skip
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PATH": os.pathsep.join(path),
+        **env,
+    }
     for key in SCRIPT_VARIABLES - env.keys():  # only what the test sets, not this machine's own
         full_env.pop(key, None)
-    return subprocess.run(["bash", str(SBATCH), *recipe_args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SBATCH), *recipe_args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600
+    )
 
 
 def loopback_nodes(tmp_path_factory, name: str, config, processes_per_node: int, *recipe_args: str):
@@ -69,9 +92,13 @@ def loopback_nodes(tmp_path_factory, name: str, config, processes_per_node: int,
     (srun_dir / "srun").chmod(0o755)
     output_dir = tmp_path_factory.mktemp(name)
     env = {
-        "NODES": "127.0.0.1,127.0.0.1", "GPUS_PER_NODE": str(processes_per_node), "MAIN_PROCESS_PORT": str(free_port()),
-        "ACCELERATE_CONFIG": str(config), "RECIPE": "recipes/llama_lora.py", "CONFIG": "",
-    }  # fmt: skip
+        "NODES": "127.0.0.1,127.0.0.1",
+        "GPUS_PER_NODE": str(processes_per_node),
+        "MAIN_PROCESS_PORT": str(free_port()),
+        "ACCELERATE_CONFIG": str(config),
+        "RECIPE": "recipes/llama_lora.py",
+        "CONFIG": "",
+    }
     result = run_sbatch(env, "--output_dir", str(output_dir), *recipe_args, srun_dir=srun_dir)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return output_dir
@@ -124,7 +151,9 @@ def test_hsdp_shards_within_a_node_replicates_across_and_trains_like_fsdp(hsdp, 
     losses, reference = logged_losses(hsdp), logged_losses(one_node)
     assert sorted(losses) == [1, 2, 3]
     worst = _worst_relative_difference(losses, reference, range(1, 4))
-    print(f"HSDP 2 replicas x 2 shards vs FSDP on 2 processes: largest relative loss difference over 3 steps {worst:.2e}")
+    print(
+        f"HSDP 2 replicas x 2 shards vs FSDP on 2 processes: largest relative loss difference over 3 steps {worst:.2e}"
+    )
     assert worst <= 1e-5, (losses, reference)
 
     layout = read_json(hsdp / "fsdp_layout.json")
@@ -142,8 +171,17 @@ def test_hsdp_checkpoint_resumes_on_one_node(hsdp, one_node, tmp_path):
     """Written by 2 nodes x 2 processes (HSDP), resumed on 1 node x 2 (FSDP) with the same global batch."""
     shutil.copytree(hsdp / "checkpoint-3", tmp_path / "checkpoint-3")
     batch = ["--per_device_train_batch_size", str(GLOBAL_BATCH // 2)]
-    launch_recipe("llama_lora", "--output_dir", str(tmp_path), "--max_steps", "5", *COMMON, *batch,
-                  "--resume_from_checkpoint", str(tmp_path / "checkpoint-3"))  # fmt: skip
+    launch_recipe(
+        "llama_lora",
+        "--output_dir",
+        str(tmp_path),
+        "--max_steps",
+        "5",
+        *COMMON,
+        *batch,
+        "--resume_from_checkpoint",
+        str(tmp_path / "checkpoint-3"),
+    )
     losses, reference = logged_losses(tmp_path), logged_losses(one_node)
     assert read_json(tmp_path / "fsdp_layout.json")["mesh"]["shape"] == [2]
     worst = _worst_relative_difference(losses, reference, (4, 5))
@@ -166,10 +204,21 @@ def test_hsdp_checkpoint_exports_like_the_final_adapter(hsdp, tmp_path):
 def test_hsdp_sizes_that_do_not_fill_the_launch_are_refused_before_training(tmp_path, tiny_model_dir):
     """hsdp_fsdp2.yaml says 2 replicas x 8 shards; a 2-process launch gets the one-line error, exit 2."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HSDP), "--num_machines", "1",
-        "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "recipes" / "llama_lora.py"),
-        "--output_dir", str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(HSDP),
+        "--num_machines",
+        "1",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "recipes" / "llama_lora.py"),
+        "--output_dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
@@ -215,8 +264,13 @@ def test_dry_run_prints_one_launcher_per_node_with_its_rank_and_the_first_node_a
         assert "--parallelism_config_dp_replicate_size" not in argv
         recipe = argv.index("recipes/llama_qlora.py")
         assert argv[recipe + 1 :] == [
-            "--config", "configs/llama_qlora/llama3_1_8b.yaml", "--max_steps", "10", "--output_dir", "/shared/run 1",
-        ]  # fmt: skip
+            "--config",
+            "configs/llama_qlora/llama3_1_8b.yaml",
+            "--max_steps",
+            "10",
+            "--output_dir",
+            "/shared/run 1",
+        ]
 
 
 def test_dry_run_with_an_hsdp_config_makes_one_replica_per_node_from_slurm_variables():

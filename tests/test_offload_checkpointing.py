@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_loading import STEPS, launch_loading_check, loading_run
 
 pytestmark = pytest.mark.slow

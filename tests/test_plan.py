@@ -54,9 +54,7 @@ def first_shard_bytes(tensor: torch.Tensor, world_size: int) -> int:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_planned_parameter_bytes_per_rank_equal_those_of_the_loaded_model(
-    loaded_models, tmp_path, method, world_size
-):
+def test_planned_parameter_bytes_per_rank_equal_those_of_the_loaded_model(loaded_models, tmp_path, method, world_size):
     model = loaded_models[method]
     plan = plan_for(recipe_config(tmp_path, method), world_size)
     frozen = sum(first_shard_bytes(p, world_size) for p in model.parameters() if not p.requires_grad)
@@ -113,14 +111,18 @@ def test_plan_that_does_not_fit_names_the_switches_and_exits_1(capsys, tmp_path)
     plan = json.loads(capsys.readouterr().out)
     assert plan["world_size"] == 2 and plan["fits"] is False
     assert plan["gpu_total"] == sum(plan["gpu"].values()) > 4 * 2**30
-    assert plan["verdict"].startswith("does not fit in 4 GiB per GPU") and "gradient_checkpointing: true" in plan["verdict"]
+    assert (
+        plan["verdict"].startswith("does not fit in 4 GiB per GPU")
+        and "gradient_checkpointing: true" in plan["verdict"]
+    )
 
 
 @pytest.mark.slow
 def test_two_rank_run_writes_memory_json_matching_the_plan(tmp_path):
     """QLoRA under FSDP2 on 2 ranks: each rank's measured bytes are the planner's, and the shards add up."""
-    config = recipe_config(tmp_path, "qlora", max_steps=2, generate_samples=0, generate_eval_samples=0,
-                           output_dir=str(tmp_path / "out"))  # fmt: skip
+    config = recipe_config(
+        tmp_path, "qlora", max_steps=2, generate_samples=0, generate_eval_samples=0, output_dir=str(tmp_path / "out")
+    )
     launch_recipe("llama_qlora", "--config", str(config))
     report = read_json(tmp_path / "out" / "memory.json")
     assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launch_recipe, read_json, run_command
+from conftest import REPO, free_port, launch_recipe, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, render_prompt, tokenized_dataset
 
@@ -23,14 +23,25 @@ SAMPLES = 8
 LAYERS = 4
 PER_RANK_BATCH = 16
 COMMON = [
-    "--max_steps", str(STEPS), "--logging_steps", "1", "--warmup_steps", "0",
-    "--generate_samples", str(SAMPLES), "--per_device_train_batch_size", str(PER_RANK_BATCH),
-]  # fmt: skip
+    "--max_steps",
+    str(STEPS),
+    "--logging_steps",
+    "1",
+    "--warmup_steps",
+    "0",
+    "--generate_samples",
+    str(SAMPLES),
+    "--per_device_train_batch_size",
+    str(PER_RANK_BATCH),
+]
 LOSS_TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
 PREFIX = "base_model.model.model"
 LORA_LEAVES = [
     f"{block}.{proj}.{side}.default"
-    for block, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for block, projs in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+        ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    )
     for proj in projs
     for side in ("lora_A", "lora_B")
 ]
@@ -39,7 +50,11 @@ EXPECTED_UNITS = {
     1: [
         "",
         f"{PREFIX}.embed_tokens",
-        *[unit for i in range(LAYERS) for unit in [f"{PREFIX}.layers.{i}"] + [f"{PREFIX}.layers.{i}.{leaf}" for leaf in LORA_LEAVES]],
+        *[
+            unit
+            for i in range(LAYERS)
+            for unit in [f"{PREFIX}.layers.{i}"] + [f"{PREFIX}.layers.{i}.{leaf}" for leaf in LORA_LEAVES]
+        ],
         "base_model.model.lm_head",
     ],
 }
@@ -47,15 +62,27 @@ EXPECTED_UNITS = {
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[("llama_lora", 2), ("llama_qlora", 2), ("llama_lora", 1), ("llama_qlora", 1)],
-                ids=lambda p: f"{p[0]}-fsdp{p[1]}")  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("llama_lora", 2), ("llama_qlora", 2), ("llama_lora", 1), ("llama_qlora", 1)],
+    ids=lambda p: f"{p[0]}-fsdp{p[1]}",
+)
 def run(request, tmp_path_factory, tiny_model_dir):
     """One 2-rank run of the recipe under the FSDP version's CPU accelerate config."""
     recipe, version = request.param
     output_dir = tmp_path_factory.mktemp(f"{recipe}_fsdp{version}")
     config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
     # FSDP2 runs also leave a sharded checkpoint of the last step and a merged export (FSDP1 refuses checkpoints)
-    extra = ["--save_strategy", "steps", "--save_steps", str(STEPS), "--export_merged", "true", "--export_dtype", "fp32"]
+    extra = [
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(STEPS),
+        "--export_merged",
+        "true",
+        "--export_dtype",
+        "fp32",
+    ]
     overrides = [*COMMON, *(extra if version == 2 else [])]
     result = launch_recipe(recipe, "--output_dir", str(output_dir), *overrides, accelerate_config=config)
     return {"recipe": recipe, "version": version, "dir": output_dir, "stdout": result.stdout, "model": tiny_model_dir}
@@ -129,7 +156,10 @@ def test_training_matches_one_process_with_the_same_global_batch(run, tmp_path_f
         assert adapter[key].shape == want.shape, key  # gathered from both shards, not rank 0's half
     elementwise = max(((adapter[k] - v).abs().max() / v.abs().max()).item() for k, v in reference_adapter.items())
     frobenius = max(((adapter[k] - v).norm() / v.norm()).item() for k, v in reference_adapter.items())
-    print(f"{run['recipe']} FSDP{run['version']}: adapter difference, largest element {elementwise:.2e}, norm {frobenius:.2e}")
+    print(
+        f"{run['recipe']} FSDP{run['version']}: adapter difference, "
+        f"largest element {elementwise:.2e}, norm {frobenius:.2e}"
+    )
     if run["recipe"] == "llama_lora":
         assert elementwise <= LOSS_TOLERANCE["llama_lora"]
     else:
@@ -143,14 +173,10 @@ def test_training_matches_one_process_with_the_same_global_batch(run, tmp_path_f
 def _reference_model(run):
     """Base + saved adapter in one plain process, loaded by transformers and peft alone."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     if run["recipe"] == "llama_qlora":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
-        )  # fmt: skip
-        base = AutoModelForCausalLM.from_pretrained(run["model"], dtype=torch.bfloat16, quantization_config=quantization)
+        base = tiny_llama_in_4bit(run["model"])
     else:
         base = AutoModelForCausalLM.from_pretrained(run["model"], dtype=torch.float32)
     for module in base.modules():  # the reference must not take bitsandbytes' CPU repacking path either
@@ -210,11 +236,26 @@ def test_sharded_greedy_generation_matches_the_unsharded_model(run):
 def test_fsdp_from_the_recipe_yaml_trains_like_the_accelerate_config_route(tmp_path, tiny_model_dir, tmp_path_factory):
     """``fsdp``/``fsdp_config`` in the YAML under plain torchrun: same units, same losses as one process."""
     output_dir = tmp_path / "yaml_route"
-    fsdp = ["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}']
+    fsdp = [
+        "--fsdp",
+        "full_shard auto_wrap",
+        "--fsdp_config",
+        '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}',
+    ]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(REPO / "recipes" / "llama_lora.py"), "--output_dir", str(output_dir), *COMMON, *fsdp,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "recipes" / "llama_lora.py"),
+        "--output_dir",
+        str(output_dir),
+        *COMMON,
+        *fsdp,
+    ]
     result = run_command(command)
     assert result.returncode == 0, result.stderr[-4000:]
     assert read_json(output_dir / "results.json")["fsdp"] is True
@@ -242,7 +283,15 @@ def tied_model_dir(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("version", [1, 2])
 def test_tied_embeddings_and_head_share_one_unit(version, tied_model_dir, tmp_path):
     config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
-    overrides = ["--model_name_or_path", str(tied_model_dir), "--output_dir", str(tmp_path), *COMMON, "--max_steps", "4"]
+    overrides = [
+        "--model_name_or_path",
+        str(tied_model_dir),
+        "--output_dir",
+        str(tmp_path),
+        *COMMON,
+        "--max_steps",
+        "4",
+    ]
     launch_recipe("llama_lora", *overrides, accelerate_config=config)
     layout = read_json(tmp_path / "fsdp_layout.json")
     untied = [u for u in EXPECTED_UNITS[version] if not u.endswith(("embed_tokens", "lm_head"))]

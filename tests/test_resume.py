@@ -20,10 +20,23 @@ from safetensors.torch import load_file
 from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, logged_losses, read_json, run_command
 
 COMMON = [
-    "--logging_steps", "1", "--generate_samples", "0", "--generate_eval_samples", "0", "--warmup_steps", "0",
-    "--lr_scheduler_type", "constant",
-    "--save_strategy", "steps", "--save_steps", "5", "--per_device_train_batch_size", "16",
-]  # fmt: skip
+    "--logging_steps",
+    "1",
+    "--generate_samples",
+    "0",
+    "--generate_eval_samples",
+    "0",
+    "--warmup_steps",
+    "0",
+    "--lr_scheduler_type",
+    "constant",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "5",
+    "--per_device_train_batch_size",
+    "16",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +50,25 @@ def runs(tmp_path_factory, tiny_model_dir):
     other_world = tmp_path_factory.mktemp("one_rank")
     shutil.copytree(interrupted / "checkpoint-5", other_world / "checkpoint-5")
     resume = ["--max_steps", "10", *COMMON]
-    launch_recipe("llama_lora", "--output_dir", str(interrupted), *resume,
-                  "--resume_from_checkpoint", str(interrupted / "checkpoint-5"))  # fmt: skip
-    launch_recipe("llama_lora", "--output_dir", str(other_world), *resume, "--per_device_train_batch_size", "32",
-                  "--resume_from_checkpoint", str(other_world / "checkpoint-5"), processes=1)  # fmt: skip
+    launch_recipe(
+        "llama_lora",
+        "--output_dir",
+        str(interrupted),
+        *resume,
+        "--resume_from_checkpoint",
+        str(interrupted / "checkpoint-5"),
+    )
+    launch_recipe(
+        "llama_lora",
+        "--output_dir",
+        str(other_world),
+        *resume,
+        "--per_device_train_batch_size",
+        "32",
+        "--resume_from_checkpoint",
+        str(other_world / "checkpoint-5"),
+        processes=1,
+    )
     return full, interrupted, other_world
 
 
@@ -71,8 +99,17 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
     launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *COMMON, **fsdp1)
     launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *COMMON, **fsdp1)
     shutil.rmtree(interrupted / "checkpoint-6")
-    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "10", *COMMON,
-                  "--resume_from_checkpoint", str(interrupted / "checkpoint-5"), **fsdp1)  # fmt: skip
+    launch_recipe(
+        "llama_lora",
+        "--output_dir",
+        str(interrupted),
+        "--max_steps",
+        "10",
+        *COMMON,
+        "--resume_from_checkpoint",
+        str(interrupted / "checkpoint-5"),
+        **fsdp1,
+    )
     want, got = logged_losses(full), logged_losses(interrupted)
     for step in range(6, 11):
         assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
@@ -89,8 +126,16 @@ def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):
     _, interrupted, _ = runs
     checkpoint = interrupted / "checkpoint-5"
     base = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
-    recipe = [str(REPO / "recipes" / "llama_lora.py"), "--output_dir", str(interrupted), "--max_steps", "10", *COMMON,
-              "--resume_from_checkpoint", str(checkpoint)]  # fmt: skip
+    recipe = [
+        str(REPO / "recipes" / "llama_lora.py"),
+        "--output_dir",
+        str(interrupted),
+        "--max_steps",
+        "10",
+        *COMMON,
+        "--resume_from_checkpoint",
+        str(checkpoint),
+    ]
     one_rank = run_command([*base, "--config_file", str(ACCELERATE_CPU_FSDP2), "--num_processes", "1", *recipe])
     assert (
         f"resume_from_checkpoint: {checkpoint} was written with FSDP2, global batch 32 = 2 ranks x 16 per device "
@@ -98,9 +143,19 @@ def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):
     ) in _our_error(one_rank)
     assert "keep the global batch: --per_device_train_batch_size 32" in _our_error(one_rank)
 
-    fsdp1 = run_command([*base, "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"), *recipe,
-                         "--save_strategy", "no"])  # fmt: skip
-    assert "Its sharded state is only readable under FSDP2 (e.g. configs/accelerate/cpu_fsdp2.yaml)" in _our_error(fsdp1)
+    fsdp1 = run_command(
+        [
+            *base,
+            "--config_file",
+            str(REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"),
+            *recipe,
+            "--save_strategy",
+            "no",
+        ]
+    )
+    assert "Its sharded state is only readable under FSDP2 (e.g. configs/accelerate/cpu_fsdp2.yaml)" in _our_error(
+        fsdp1
+    )
 
 
 def _our_error(result) -> str:
@@ -129,17 +184,26 @@ def uninterrupted_16_steps(uninterrupted_run):
 
 def test_save_total_limit_keeps_the_latest_complete_checkpoints(uninterrupted_run):
     assert sorted(p.name for p in uninterrupted_run.iterdir() if "checkpoint" in p.name) == [
-        "checkpoint-12", "checkpoint-16"
-    ]  # fmt: skip
+        "checkpoint-12",
+        "checkpoint-16",
+    ]
 
 
 def _start_run(output_dir):
     """The 16-step run under ``accelerate launch``."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
-        "--main_process_port", str(free_port()), str(REPO / "recipes" / "llama_lora.py"),
-        "--output_dir", str(output_dir), *KILL_STEPS,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CPU_FSDP2),
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "recipes" / "llama_lora.py"),
+        "--output_dir",
+        str(output_dir),
+        *KILL_STEPS,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -158,7 +222,9 @@ def _step(checkpoint) -> int:
 
 
 def _resume_and_compare(output_dir, reference) -> str:
-    result = launch_recipe("llama_lora", "--output_dir", str(output_dir), *KILL_STEPS, "--resume_from_checkpoint", "auto")
+    result = launch_recipe(
+        "llama_lora", "--output_dir", str(output_dir), *KILL_STEPS, "--resume_from_checkpoint", "auto"
+    )
     adapter = load_file(output_dir / "adapter" / "adapter_model.safetensors")
     for key, tensor in reference.items():
         assert (adapter[key] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), (key, result.stdout[-2000:])
@@ -174,7 +240,9 @@ def test_killed_rank_then_automatic_resume_ends_with_the_uninterrupted_adapter(t
     deadline = time.time() + 300
     while not (crashed / "checkpoint-4").is_dir() and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.02)
-    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())]
+    ranks = [
+        p for p in psutil.Process(launcher.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())
+    ]
     assert launcher.poll() is None and ranks, "the run ended before a rank could be killed"
     ranks[-1].send_signal(signal.SIGKILL)
     assert launcher.wait(timeout=120) != 0

@@ -11,30 +11,40 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, read_json, run_command
+from conftest import REPO, launch_recipe, read_json, recipe_launch_command, run_command
 
 pytestmark = pytest.mark.slow
 
 QUICK = [
-    "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
-    "--generate_samples", "0", "--generate_eval_samples", "0", "--per_device_train_batch_size", "4",
-    "--lr_scheduler_type", "constant", "--warmup_steps", "0",
-]  # fmt: skip
+    "--max_steps",
+    "4",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--generate_samples",
+    "0",
+    "--generate_eval_samples",
+    "0",
+    "--per_device_train_batch_size",
+    "4",
+    "--lr_scheduler_type",
+    "constant",
+    "--warmup_steps",
+    "0",
+]
 
 
 def launch_command(*overrides: str) -> list[str]:
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU_FSDP2),
-        "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "recipes" / "llama_lora.py"),
-        *overrides,
-    ]  # fmt: skip
+    return recipe_launch_command("llama_lora", *overrides)
 
 
 def checksums(directory: Path) -> dict[str, str]:
@@ -90,8 +100,17 @@ def test_overwrite_output_dir_removes_the_old_run_first_and_says_so(finished, tm
     out = copy_of(finished, tmp_path)
     old_id = read_json(out / "fsdp_peft_run.json")["run_id"]
     (out / "checkpoint-4" / "marker").write_text("old run")
-    result = launch_recipe("llama_lora", "--output_dir", str(out), *QUICK[:2], "--save_strategy", "no",
-                           "--overwrite_output_dir", "true", *QUICK[6:])  # fmt: skip
+    result = launch_recipe(
+        "llama_lora",
+        "--output_dir",
+        str(out),
+        *QUICK[:2],
+        "--save_strategy",
+        "no",
+        "--overwrite_output_dir",
+        "true",
+        *QUICK[6:],
+    )
     assert "overwrite_output_dir: removing the previous run's checkpoint-2, checkpoint-4, adapter" in result.stdout
     assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-4").exists()
     record = read_json(out / "fsdp_peft_run.json")
@@ -131,8 +150,14 @@ def test_resuming_a_run_already_at_max_steps_trains_no_further_step(finished, tm
 def test_a_live_run_holds_its_output_dir_and_a_killed_one_does_not(tmp_path, tiny_model_dir):
     out = tmp_path / "live"
     long_run = [*QUICK[2:], "--max_steps", "2000", "--output_dir", str(out)]
-    live = subprocess.Popen(launch_command(*long_run), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    live = subprocess.Popen(
+        launch_command(*long_run),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (out / "checkpoint-2").is_dir():
@@ -145,7 +170,9 @@ def test_a_live_run_holds_its_output_dir_and_a_killed_one_does_not(tmp_path, tin
         assert line.endswith("wait for it to end or stop it, or choose another output_dir")
         assert checksums(out / "checkpoint-2") == before  # overwrite did not touch the live run
 
-        ranks = [p for p in psutil.Process(live.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())]
+        ranks = [
+            p for p in psutil.Process(live.pid).children(recursive=True) if "llama_lora.py" in " ".join(p.cmdline())
+        ]
         assert len(ranks) == 2
         launcher = psutil.Process(live.pid)
         launcher.send_signal(signal.SIGKILL)  # the launcher dies; its ranks must not live on as orphans
@@ -175,7 +202,9 @@ def test_an_unknown_model_type_is_refused_alike_by_validate_and_the_recipe(tmp_p
     for result in (validate, recipe_run):
         assert result.returncode != 0
         [line] = error_lines(result)
-        assert line.startswith(expected) and line.endswith("(if its code lives in its hub repo: trust_remote_code: true)")
+        assert line.startswith(expected) and line.endswith(
+            "(if its code lives in its hub repo: trust_remote_code: true)"
+        )
     assert error_lines(validate) == error_lines(recipe_run)
     assert validate.returncode == 2 and "Traceback" not in validate.stderr
     assert not (tmp_path / "out").exists()
@@ -192,9 +221,14 @@ def test_a_model_whose_code_lives_in_its_repo_needs_trust_remote_code(tmp_path, 
         "class NovaForCausalLM(LlamaForCausalLM):\n    config_class = NovaConfig\n"
     )
     config = json.loads((model / "config.json").read_text())
-    config.update(model_type="nova_llama", architectures=["NovaForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_nova.NovaConfig",
-                            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM"})  # fmt: skip
+    config.update(
+        model_type="nova_llama",
+        architectures=["NovaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_nova.NovaConfig",
+            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM",
+        },
+    )
     (model / "config.json").write_text(json.dumps(config))
     recipe = tmp_path / "nova.yaml"
     recipe.write_text(f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nmodel_name_or_path: {model}\n")
@@ -202,11 +236,27 @@ def test_a_model_whose_code_lives_in_its_repo_needs_trust_remote_code(tmp_path, 
     refused = run_command(["fsdp-peft", "validate", str(recipe)])
     assert refused.returncode == 2
     [line] = error_lines(refused)
-    assert line.startswith(f"error: model_name_or_path: the config of {model} does not load") and "trust_remote_code: true" in line
+    assert (
+        line.startswith(f"error: model_name_or_path: the config of {model} does not load")
+        and "trust_remote_code: true" in line
+    )
 
     out = tmp_path / "out"
-    trained = launch_recipe("llama_lora", "--config", str(recipe), "--trust_remote_code", "true", "--output_dir", str(out),
-                            "--max_steps", "2", "--generate_samples", "0", "--generate_eval_samples", "0")  # fmt: skip
+    trained = launch_recipe(
+        "llama_lora",
+        "--config",
+        str(recipe),
+        "--trust_remote_code",
+        "true",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--generate_samples",
+        "0",
+        "--generate_eval_samples",
+        "0",
+    )
     assert f"warning: trust_remote_code: true: running Python code from the repository of {model}" in trained.stderr
     assert read_json(out / "results.json")["steps"] == 2
     assert read_json(out / "fsdp_layout.json")["units"][2].endswith("layers.0")

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from fsdp_peft import tiny
+from fsdp_peft import paths, tiny
 
 
 def test_shipped_assets_are_exactly_what_the_generator_writes(tmp_path):
@@ -52,7 +52,7 @@ def test_weights_are_built_from_the_seed_and_load_through_from_pretrained(tiny_m
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("FSDP_PEFT_CACHE", str(tmp_path))
-    rebuilt = tiny.tiny_model_path()
+    rebuilt = paths.tiny_model_path()
     assert rebuilt != tiny_model_dir
     first, second = load_file(tiny_model_dir / "model.safetensors"), load_file(rebuilt / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

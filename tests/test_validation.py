@@ -4,92 +4,153 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
-from fsdp_peft.recipe import parse_recipe_config
+from conftest import REPO, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.validation import RULES
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
-ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+ACCELERATE_FSDP2 = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+}
 ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 CASES = {
     "_model_config_is_a_causal_lm": (
-        LORA_TINY, {}, ["--model_name_or_path", "{t5_model}"],
+        LORA_TINY,
+        {},
+        ["--model_name_or_path", "{t5_model}"],
         "model_name_or_path: {t5_model} is a 't5' model, which has no causal language model head in transformers",
     ),
     "_fsdp2_size_based_wrap_shards_no_layer": (
-        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"},
+        [],
         "auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate 1.15 shards every module above min_num_params",
     ),
     "_hybrid_shard_shards_in_the_cpu_mode": (
-        LORA_TINY, {"WORLD_SIZE": "2"}, ["--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", '{"version": 1}'],
+        LORA_TINY,
+        {"WORLD_SIZE": "2"},
+        ["--fsdp", "hybrid_shard auto_wrap", "--fsdp_config", '{"version": 1}'],
         "fsdp: hybrid_shard under FSDP1 shards within a node by its GPU count; in the CPU mode every rank",
     ),
     "_prequantized_base_is_trainable": (
-        LORA_TINY, {}, ["--model_name_or_path", "{prequantized}"],
+        LORA_TINY,
+        {},
+        ["--model_name_or_path", "{prequantized}"],
         "model_name_or_path: {prequantized} is a pre-quantized bitsandbytes 4-bit checkpoint; set load_in_4bit: true",
     ),
     "_fsdp_settings_resolve": (
-        LORA_TINY, ACCELERATE_FSDP1, ["--fsdp", "true", "--fsdp_config", '{"version": 2}'],
+        LORA_TINY,
+        ACCELERATE_FSDP1,
+        ["--fsdp", "true", "--fsdp_config", '{"version": 2}'],
         "fsdp_config: version is 2 in the recipe but 1 in the accelerate config (FSDP_VERSION); make them agree",
     ),
     "_quant_storage_is_floating_under_fsdp": (
-        QLORA_TINY, ACCELERATE_FSDP2, ["--bnb_4bit_quant_storage", "uint8"],
+        QLORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--bnb_4bit_quant_storage", "uint8"],
         "bnb_4bit_quant_storage: 'uint8' cannot be sharded by FSDP; set it to bfloat16 (the FSDP gather dtype)",
     ),
     "_quant_storage_matches_gather_dtype": (
-        QLORA_TINY, ACCELERATE_FSDP2, ["--bnb_4bit_quant_storage", "float32"],
+        QLORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--bnb_4bit_quant_storage", "float32"],
         "bnb_4bit_quant_storage: 'float32' differs from the dtype FSDP gathers in ('bfloat16'",
     ),
-    "_dtype_keys_are_known": (LORA_TINY, {}, ["--fsdp_reduce_dtype", "fp32"], "fsdp_reduce_dtype: 'fp32' is not one of"),
-    "_data_files_exist": (LORA_TINY, {}, ["--eval_file", "/no/such.jsonl"], "eval_file: file not found: /no/such.jsonl"),
+    "_dtype_keys_are_known": (
+        LORA_TINY,
+        {},
+        ["--fsdp_reduce_dtype", "fp32"],
+        "fsdp_reduce_dtype: 'fp32' is not one of",
+    ),
+    "_data_files_exist": (
+        LORA_TINY,
+        {},
+        ["--eval_file", "/no/such.jsonl"],
+        "eval_file: file not found: /no/such.jsonl",
+    ),
     "_local_model_path_exists": (
-        LORA_TINY, {}, ["--model_name_or_path", "/no/model"], "model_name_or_path: directory not found: /no/model"
+        LORA_TINY,
+        {},
+        ["--model_name_or_path", "/no/model"],
+        "model_name_or_path: directory not found: /no/model",
     ),
     "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
-    "_data_settings_are_known": (LORA_TINY, {}, ["--truncation", "middle"], "truncation: 'middle' is not one of right, left, drop"),
+    "_data_settings_are_known": (
+        LORA_TINY,
+        {},
+        ["--truncation", "middle"],
+        "truncation: 'middle' is not one of right, left, drop",
+    ),
     "_gather_budget_is_a_size": (
-        LORA_TINY, {}, ["--generate_gather_budget", "8 gigs"],
+        LORA_TINY,
+        {},
+        ["--generate_gather_budget", "8 gigs"],
         "generate_gather_budget: '8 gigs' is not 'auto' (half the free device memory), 'all', 'none'",
     ),
     "_fsdp_needs_several_processes": (
-        LORA_TINY, {"WORLD_SIZE": "1"}, ["--fsdp", "full_shard auto_wrap"], "fsdp: set in the config, but this is a single process"
+        LORA_TINY,
+        {"WORLD_SIZE": "1"},
+        ["--fsdp", "full_shard auto_wrap"],
+        "fsdp: set in the config, but this is a single process",
     ),
     "_one_activation_checkpointing": (
-        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"}, ["--gradient_checkpointing", "true"],
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"},
+        ["--gradient_checkpointing", "true"],
         "gradient_checkpointing: true together with FSDP's own activation_checkpointing",
     ),
     "_save_only_model_needs_full_state_dict": (
-        LORA_TINY, ACCELERATE_FSDP2, ["--save_only_model", "true"],
+        LORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--save_only_model", "true"],
         "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT",
     ),
     "_fsdp1_units_keep_adapters_apart": (
-        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, [],
+        LORA_TINY,
+        {**ACCELERATE_FSDP1, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"},
+        [],
         "auto_wrap_policy: SIZE_BASED_WRAP under FSDP1 with use_orig_params: false would put frozen base weights",
     ),
     "_fsdp1_checkpoints_are_sharded": (
-        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}, ["--save_strategy", "steps"],
+        LORA_TINY,
+        {**ACCELERATE_FSDP1, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"},
+        ["--save_strategy", "steps"],
         "save_strategy: 'steps' under FSDP1 with state_dict_type FULL_STATE_DICT: fsdp-peft saves and resumes",
     ),
     "_offload_needs_a_cpu_optimizer": (
-        LORA_TINY, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "true"}, ["--optim", "paged_adamw_8bit"],
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "true"},
+        ["--optim", "paged_adamw_8bit"],
         "optim: 'paged_adamw_8bit' steps on the GPU, but FSDP offload_params keeps parameters",
     ),
     "_cpu_mode_cannot_load_on_rank_0_only": (
-        LORA_TINY, {**ACCELERATE_FSDP1, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, [],
+        LORA_TINY,
+        {**ACCELERATE_FSDP1, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
+        [],
         "cpu_ram_efficient_loading needs FSDP1's sync_module_states",
     ),
     "_checkpoints_are_finished_by_one_rank": (
-        LORA_TINY, ACCELERATE_FSDP2, ["--save_on_each_node", "true", "--save_strategy", "steps"],
+        LORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--save_on_each_node", "true", "--save_strategy", "steps"],
         "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint directory",
     ),
     "_parallelism_config_fills_the_launch": (
         LORA_TINY,
-        {**ACCELERATE_FSDP2, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
-         "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8", "WORLD_SIZE": "2"}, [],
+        {
+            **ACCELERATE_FSDP2,
+            "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8",
+            "WORLD_SIZE": "2",
+        },
+        [],
         "parallelism_config: dp_replicate_size 2 x dp_shard_size 8 = 16 ranks, but this launch has 2 (num_processes)",
     ),
 }
@@ -98,23 +159,24 @@ CASES = {
 @pytest.fixture(scope="module")
 def odd_models(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
     """Model directories the rules refuse: an encoder-decoder config, a pre-quantized 4-bit tiny-llama."""
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     root = tmp_path_factory.mktemp("odd_models")
     (root / "t5").mkdir()
     (root / "t5" / "config.json").write_text('{"model_type": "t5", "d_model": 64, "num_layers": 1}')
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, quantization_config=quantization)
-    model.save_pretrained(root / "prequantized")
+    tiny_llama_in_4bit(tiny_model_dir).save_pretrained(root / "prequantized")
     return {"t5_model": str(root / "t5"), "prequantized": str(root / "prequantized")}
 
 
 def test_a_prequantized_4bit_base_validates_with_its_own_settings(odd_models, tmp_path, monkeypatch):
     for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
         monkeypatch.delenv(key)
-    argv = ["--config", str(QLORA_TINY), "--output_dir", str(tmp_path), "--model_name_or_path", odd_models["prequantized"]]
+    argv = [
+        "--config",
+        str(QLORA_TINY),
+        "--output_dir",
+        str(tmp_path),
+        "--model_name_or_path",
+        odd_models["prequantized"],
+    ]
     recipe, _ = parse_recipe_config(argv, QLORA_TINY, str(tmp_path))
     assert recipe.load_in_4bit
     with pytest.raises(ConfigError, match="bnb_4bit_quant_type: 'fp4' differs from the pre-quantized checkpoint"):

@@ -21,11 +21,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.launch import start_process_group
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.modeling import attach_lora, load_base_model
-from fsdp_peft.launch import start_process_group
 from fsdp_peft.trainer import PeftFsdpTrainer
-
 
 start_process_group()  # the group the Trainer then uses, torn down at exit while the interpreter is whole
 
@@ -93,15 +92,27 @@ class StopAtTrainBegin(TrainerCallback):
 
 
 recipe = RecipeArguments(
-    model_name_or_path=cli.model, load_in_4bit=cli.qlora, torch_dtype="bfloat16" if cli.qlora else "float32",
-    lora_r=8, lora_dropout=0.0,
-)  # fmt: skip
+    model_name_or_path=cli.model,
+    load_in_4bit=cli.qlora,
+    torch_dtype="bfloat16" if cli.qlora else "float32",
+    lora_r=8,
+    lora_dropout=0.0,
+)
 training = TrainingArguments(
-    output_dir=cli.out, max_steps=1 if cli.no_train else cli.steps, per_device_train_batch_size=2,
-    learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], bf16=cli.qlora, seed=7,
-    gradient_checkpointing=cli.gradient_checkpointing, disable_tqdm=True, use_cpu=not torch.accelerator.is_available(),
-)  # fmt: skip
-import bitsandbytes, peft  # noqa: E401,F401  imported before the baseline: library code is not model memory
+    output_dir=cli.out,
+    max_steps=1 if cli.no_train else cli.steps,
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    bf16=cli.qlora,
+    seed=7,
+    gradient_checkpointing=cli.gradient_checkpointing,
+    disable_tqdm=True,
+    use_cpu=not torch.accelerator.is_available(),
+)
+import bitsandbytes  # noqa: E402,F401  imported before the baseline: library code is not model memory
 
 set_seed(training.seed)
 sampler = RssSampler()

@@ -1,0 +1,54 @@
+"""Training data: local files or hub datasets in four formats, tokenized once, only answers trained.
+
+Sources: the embedded ``tiny-reverse``; a local ``.jsonl``/``.json``/``.parquet``/``.csv`` file or a
+directory of them; a hub dataset (``datasets.load_dataset(name)``). Formats, detected from the columns
+or declared with ``data_format``: ``prompt_completion``, ``instruction`` (Alpaca), ``messages`` and
+``sharegpt`` (chats).
+
+Every row becomes text segments that are trained or not (the prompt, or the non-assistant turns of a
+chat rendered with the tokenizer's chat template), each tokenized on its own and concatenated, so a
+prompt tokenizes exactly as it does for generation. A bad row is a `ConfigError` naming file, row,
+rule and fix, unless ``skip_invalid_rows`` is set: then it is dropped and counted.
+
+Tokenization runs once per node (local rank 0) and is saved under ``$FSDP_PEFT_CACHE/data/<key>``,
+keyed by the files' bytes, the tokenizer and every setting that changes the result; the other ranks,
+and later runs, load it from there.
+
+One module per step, in the order data flows:
+
+- `fsdp_peft.data.sources`: where a split's rows come from (files, directories, hub splits), read raw
+- `fsdp_peft.data.formats`: the four row formats, detected and checked; rows as `Example`s
+- `fsdp_peft.data.templates`: prompts and chats rendered as the model sees them, cut into trained pieces
+- `fsdp_peft.data.tokenize`: token ids and labels (-100 off the trained pieces), truncation, whole sources
+- `fsdp_peft.data.packing`: examples packed into rows, their collator, and the model check that packing is safe
+- `fsdp_peft.data.cache`: tokenized once per node, cached, and loaded (`load_data`)
+"""
+
+from fsdp_peft.data.cache import load_data
+from fsdp_peft.data.formats import DATA_FORMATS, Example, read_examples
+from fsdp_peft.data.packing import PackedCollator, check_packing_keeps_examples_apart, data_collator
+from fsdp_peft.data.sources import DATA_EXTENSIONS, Source, data_files, data_files_in, data_sources, is_local_path
+from fsdp_peft.data.templates import render_example_prompt, render_prompt
+from fsdp_peft.data.tokenize import IGNORE_INDEX, TRUNCATIONS, tokenize_example, tokenized_dataset
+
+__all__ = [
+    "DATA_EXTENSIONS",
+    "DATA_FORMATS",
+    "IGNORE_INDEX",
+    "TRUNCATIONS",
+    "Example",
+    "PackedCollator",
+    "Source",
+    "check_packing_keeps_examples_apart",
+    "data_collator",
+    "data_files",
+    "data_files_in",
+    "data_sources",
+    "is_local_path",
+    "load_data",
+    "read_examples",
+    "render_example_prompt",
+    "render_prompt",
+    "tokenize_example",
+    "tokenized_dataset",
+]

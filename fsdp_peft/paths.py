@@ -1,0 +1,46 @@
+"""Where things live on disk: fsdp-peft's cache, the embedded tiny models in it, and a model name's directory.
+
+The cache is ``$FSDP_PEFT_CACHE``, else ``~/.cache/fsdp_peft``: the tiny models' checkpoints (built from
+their seed by `fsdp_peft.tiny` on first use) and the tokenized data (`fsdp_peft.data.cache`).
+`resolve_model_path` turns a ``model_name_or_path`` that names a tiny model into its cache directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_peft.files import publish_directory
+from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES, WEIGHTS_SEED, write_tiny_model
+
+
+def cache_dir() -> Path:
+    """Where the generated tiny checkpoint lives: ``$FSDP_PEFT_CACHE`` or ``~/.cache/fsdp_peft``."""
+    return Path(os.environ.get("FSDP_PEFT_CACHE", Path.home() / ".cache" / "fsdp_peft"))
+
+
+def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
+    """Tiny model ``name``'s checkpoint directory, created on first use (safe when several ranks race)."""
+    if name not in TINY_MODEL_NAMES:
+        raise ValueError(f"no embedded model called {name!r}; there are {', '.join(TINY_MODEL_NAMES)}")
+    target = cache_dir() / f"{name}-seed{WEIGHTS_SEED}"
+    if (target / "model.safetensors").is_file():
+        return target
+    with publish_directory(target) as staging:
+        write_tiny_model(name, staging)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Where ``model_name_or_path`` points: a tiny model's cache directory, else ``name`` unchanged.
+
+    A tiny model is named by its name (``tiny-qwen2``) or by a cache directory of it that no longer
+    exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here.
+    """
+    if name in TINY_MODEL_NAMES:
+        return str(tiny_model_path(name))
+    path = Path(name)
+    for tiny in TINY_MODEL_NAMES:
+        if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
+            return str(tiny_model_path(tiny))
+    return name

@@ -1,0 +1,120 @@
+"""Imports: the package's modules form no cycle, and every import deferred into a function says why."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "fsdp_peft"
+LAZY_REASON = re.compile(r"# lazy: \S")  # e.g. ``# lazy: ls/cp must not import torch``
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(tree: ast.AST, in_function: bool = False):
+    """``(node, inside a function)`` for every import statement, in source order."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function
+        yield from _imports(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def _imported_modules(node: ast.Import | ast.ImportFrom, importer: str) -> set[str]:
+    """The package modules an import statement loads: the named ones and the packages above them, whose
+    ``__init__`` runs first (except the packages the importer is inside, which are loading already)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = importer if MODULES[importer].name == "__init__.py" else importer.rpartition(".")[0]
+            package = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+            base = f"{package}.{base}" if base else package
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    loaded = set()
+    for name in names:
+        while name and name not in MODULES:  # ``import fsdp_peft.x.y`` of an attribute: its module
+            name = name.rpartition(".")[0]
+        while name:
+            if name != importer and not importer.startswith(f"{name}."):
+                loaded.add(name)
+            name = name.rpartition(".")[0]
+    return loaded
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: package modules it imports}``, at module top or inside functions alike."""
+    graph = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[name] = set().union(*(_imported_modules(node, name) for node, _ in _imports(tree)))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One path around each cycle found by a depth-first walk (empty when there is none)."""
+    found, state = [], {}  # state: 1 while on the walk's path, 2 once finished
+    path: list[str] = []
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                found.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    return found
+
+
+def local_imports() -> list[tuple[str, int, str]]:
+    """``(file, line, source)`` of every import statement inside a function body."""
+    found = []
+    for path in MODULES.values():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node, in_function in _imports(ast.parse(text, filename=str(path))):
+            if in_function:
+                source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                found.append((str(path.relative_to(REPO)), node.lineno, source))
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
+    graph = import_graph()
+    assert "fsdp_peft.plan" in graph["fsdp_peft.cli"]  # imported inside `_plan` only
+    assert "fsdp_peft.data.cache" in graph["fsdp_peft.data"]  # the package re-exports `load_data`
+    assert "fsdp_peft.data.sources" in graph["fsdp_peft.data.formats"]
+    assert "fsdp_peft.data" not in graph["fsdp_peft.data.formats"]  # its own package is loading already
+    outside = ast.parse("from fsdp_peft.data.cache import load_data").body[0]
+    assert _imported_modules(outside, "fsdp_peft.recipe") == {"fsdp_peft.data.cache", "fsdp_peft.data"}
+    relative = ast.parse("from .sources import Source").body[0]
+    assert _imported_modules(relative, "fsdp_peft.data.formats") == {"fsdp_peft.data.sources"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_package_modules_import_each_other_without_a_cycle():
+    found = cycles(import_graph())
+    assert found == [], "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+def test_every_import_inside_a_function_says_why_it_is_deferred():
+    found = local_imports()
+    print(f"{len(found)} imports inside functions")
+    unexplained = [f"{file}:{line}: {source.strip()}" for file, line, source in found if not LAZY_REASON.search(source)]
+    assert not unexplained, "imports inside functions without a '# lazy: <why>' comment:\n" + "\n".join(unexplained)
