@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from fsdp_peft.catalog import shipped_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
+from fsdp_peft.keys import plain_value
 from fsdp_peft.launch import trainer_fsdp_arguments
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.yaml_files import load_yaml_file
@@ -207,19 +207,14 @@ def build_training_arguments(training_values: dict, source: Path) -> TrainingArg
         raise ConfigError(f"{source}: {error}") from None
 
 
-def _plain(value):
-    """A value as YAML can write it: enums by their value."""
-    return value.value if isinstance(value, Enum) else value
-
-
 def resolved_config_yaml(recipe: RecipeArguments, training_values: dict, source: Path) -> str:
     """The resolved config as a YAML that ``--config`` accepts: every project key, then every
     ``TrainingArguments`` key whose value differs from the one an empty config gets."""
     defaults = vars(_Parser((RecipeArguments, TrainingArguments), allow_abbrev=False).parse_args([]))
     training = {
-        key: _plain(value)
+        key: plain_value(value)
         for key, value in training_values.items()
-        if _plain(value) != _plain(defaults.get(key, dataclasses.MISSING))
+        if plain_value(value) != plain_value(defaults.get(key, dataclasses.MISSING))
     }
     header = (
         f"# resolved from {source} (includes, then command-line overrides, applied)\n"

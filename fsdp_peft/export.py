@@ -46,7 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
-from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
     StreamingShardWriter,
@@ -416,9 +416,9 @@ def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: 
 
 def check_base_is_unquantized(base_dir: Path) -> None:
     """A merge needs the base's full-precision weights; a pre-quantized checkpoint holds packed 4-bit bytes."""
-    config = _read_json(Path(base_dir) / "config.json")
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "quantized")
+    quantization = checkpoint_quantization(str(base_dir))
+    if quantization:
+        method = quantization.get("quant_method", "quantized")
         raise ConfigError(
             f"--base: {base_dir} is a pre-quantized ({method}) checkpoint; merging needs the 16-bit weights: pass "
             "the 16-bit original with --base (--base-variant nf4 reproduces the 4-bit weights training saw)"

@@ -160,7 +160,8 @@ def _describe_type(hint) -> str:
     return " or ".join(dict.fromkeys(parts))
 
 
-def _plain(value):
+def plain_value(value):
+    """A value as YAML writes it: enums by their value."""
     return value.value if isinstance(value, Enum) else value
 
 
@@ -188,7 +189,7 @@ def key_problems(values: dict, hints: dict[str, Any]) -> list[str]:
                 hint_text = f" ({RANGE_HINTS[key]})" if key in RANGE_HINTS else ""
                 problems.append(f"{key}: must be {rule}, got {value}{hint_text}")
         if key in CHOICES and value is not None:
-            choice = str(_plain(value))
+            choice = str(plain_value(value))
             if choice not in CHOICES[key]:
                 problems.append(unknown_choice(key, choice, CHOICES[key]))
     return problems

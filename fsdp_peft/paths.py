@@ -7,6 +7,7 @@ their seed by `fsdp_peft.tiny` on first use) and the tokenized data (`fsdp_peft.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -44,3 +45,14 @@ def resolve_model_path(name: str) -> str:
         if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
             return str(tiny_model_path(tiny))
     return name
+
+
+def checkpoint_quantization(name: str) -> dict | None:
+    """The ``quantization_config`` a local checkpoint was saved with (a pre-quantized base), else ``None``."""
+    config = Path(resolve_model_path(name)).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("quantization_config")
+    except (ValueError, AttributeError):
+        return None

@@ -7,7 +7,6 @@ Each rule is a small function returning a problem message (key, value, rule, fix
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
@@ -24,7 +23,7 @@ from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.keys import field_types, key_problems, unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings, launcher_asks_for_fsdp, ranks
-from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
@@ -225,17 +224,6 @@ def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
             "mode every rank would keep a full copy (measured: 0 parameters sharded); use full_shard"
         )
     return None
-
-
-def checkpoint_quantization(name: str) -> dict | None:
-    """The ``quantization_config`` a local checkpoint was saved with (a pre-quantized base), else ``None``."""
-    config = Path(resolve_model_path(name)).expanduser() / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        return json.loads(config.read_text()).get("quantization_config")
-    except (ValueError, AttributeError):
-        return None
 
 
 BNB_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_command, tiny_llama_in_4bit
+from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import BASE_FILE, base_record, export_merged, nf4_round_trip
 
 CLI = [sys.executable, "-m", "fsdp_peft.cli"]
@@ -385,3 +386,15 @@ def test_staging_directory_of_a_live_export_is_left_alone(adapter, tmp_path):
     assert writer.returncode == 0, stderr[-3000:]
     assert stdout.strip() == f"merged model written to {out}"  # the other export published first; this one yields
     assert [p.name for p in work.iterdir()] == ["out"]
+
+
+def test_export_refuses_a_prequantized_base(adapter, tiny_model_dir, tmp_path):
+    base = tmp_path / "prequantized"
+    tiny_llama_in_4bit(tiny_model_dir).save_pretrained(base)
+    with pytest.raises(ConfigError) as error:
+        export_merged(adapter, tmp_path / "out", base=str(base), dtype="fp32", progress=False)
+    assert str(error.value) == (
+        f"--base: {base} is a pre-quantized (bitsandbytes) checkpoint; merging needs the 16-bit weights: pass "
+        "the 16-bit original with --base (--base-variant nf4 reproduces the 4-bit weights training saw)"
+    )
+    assert not (tmp_path / "out").exists()
