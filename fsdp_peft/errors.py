@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 USER_ERROR_EXIT_CODE = 2
+# How long a rank other than the node's first waits, after the same user error, for the launcher to stop
+# it once the first rank has printed the message and exited.
+OTHER_RANKS_WAIT_S = 30.0
 
 
 class ConfigError(Exception):
@@ -27,8 +31,15 @@ def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
         try:
             return main(*args, **kwargs)
         except ConfigError as error:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank checks the same input: say it once
-                print(f"error: {error}", file=sys.stderr)
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if local_rank != 0:
+                # Every rank checks the same input; the first says it once. Exiting at once here could let the
+                # launcher stop the first rank before it printed (no message at all), so wait to be stopped,
+                # and speak only if that never happens (the input differed on this rank).
+                time.sleep(OTHER_RANKS_WAIT_S)
+                print(f"error: (local rank {local_rank}) {error}", file=sys.stderr)
+                sys.exit(USER_ERROR_EXIT_CODE)
+            print(f"error: {error}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
 
     return wrapper

@@ -127,3 +127,19 @@ def test_shipped_recipe_configs_validate(tmp_path):
         recipe, training = parse_recipe_config(["--config", str(config)], config, str(tmp_path))
         assert recipe.model_name_or_path
         assert Path(config).read_text().startswith("#"), f"{config} must open with its comment block"
+
+
+def test_a_user_error_is_said_once_by_the_first_rank_and_by_another_only_if_it_is_not_stopped(monkeypatch, capsys):
+    from fsdp_peft import errors
+
+    @errors.exits_cleanly_on_user_error
+    def main():
+        raise ConfigError("bad.yaml: unknown key 'x'")
+
+    monkeypatch.setattr(errors, "OTHER_RANKS_WAIT_S", 0.2)
+    for local_rank, expected in (("0", "error: bad.yaml: unknown key 'x'"), ("1", "error: (local rank 1) bad.yaml")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        assert exit_.value.code == errors.USER_ERROR_EXIT_CODE
+        assert capsys.readouterr().err.startswith(expected)
