@@ -15,6 +15,7 @@ import contextlib
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
@@ -37,7 +38,18 @@ VERIFIED = {  # package: (lowest verified, first unverified) release
     "peft": ("0.21.2", "0.22"),
     "bitsandbytes": ("0.50.2", "0.51"),
 }
+VERIFIED_WITH_TORCH_XLA = {  # the TPU route's own environment (docs/tpu.md): torch-xla pins its torch
+    "torch": ("2.9.0", "2.10"),
+    "torch_xla": ("2.9.0", "2.10"),
+}
 UNVERIFIED_VARIABLE = "FSDP_PEFT_UNVERIFIED"
+
+
+def verified_releases() -> dict[str, tuple[str, str]]:
+    """The releases this environment must hold: the TPU route's torch where torch_xla is installed."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return VERIFIED
+    return {**VERIFIED, **VERIFIED_WITH_TORCH_XLA}
 
 
 class CompatError(ConfigError):
@@ -190,6 +202,21 @@ UPSTREAM: tuple[Upstream, ...] = (
         mentions=("_fsdp_param_groups", "_auto_reshard_after_forward"),
     ),
     Upstream(
+        "transformers.trainer:Trainer._wrap_model",
+        ("self", "model", "training", "dataloader"),
+        "fsdp_peft._compat.xla_fsdp_optimizer_created",
+        "under XLA FSDP the optimizer is created for the model _wrap_model returns",
+        "Trainer creates the delayed optimizer after XLA FSDP wrapping again (transformers 5.2 did)",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._prepare_for_training",
+        ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
+        "fsdp_peft._compat.xla_fsdp_optimizer_created",
+        "XLA FSDP delays optimizer creation and prepares only the optimizer when the model came back wrapped",
+        "Trainer creates the delayed optimizer after XLA FSDP wrapping again (transformers 5.2 did)",
+        mentions=("is_fsdp_xla_enabled", "delay_optimizer_creation", "use_accelerator_prepare"),
+    ),
+    Upstream(
         "transformers.quantizers.base:HfQuantizer.__init__",
         ("self", "quantization_config"),
         "fsdp_peft.loading.model_skeleton",
@@ -246,7 +273,7 @@ def _source(value) -> str:
 
 
 def version_problem(package: str) -> str | None:
-    lowest, unverified = VERIFIED[package]
+    lowest, unverified = verified_releases()[package]
     installed = importlib.metadata.version(package)
     release = Version(Version(installed).base_version)
     if Version(lowest) <= release < Version(unverified):
@@ -259,7 +286,7 @@ def version_problem(package: str) -> str | None:
 
 @functools.cache
 def _checked() -> bool:
-    problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in VERIFIED]
+    problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in verified_releases()]
     problems += [upstream_problem(entry) for entry in UPSTREAM]
     problems = [problem for problem in problems if problem]
     if problems:
@@ -448,3 +475,30 @@ def state_switched_to_fsdp(state, fsdp_version: int) -> None:
         values["distributed_type"] = DistributedType.FSDP
         if fsdp_version == 1:
             values["device"] = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def xla_fsdp_optimizer_created(trainer):
+    """Replaces ``trainer._wrap_model`` (on this instance) by one that, under XLA FSDP, creates the optimizer
+    for the wrapped model when Trainer has none yet.
+
+    Why: under XLA FSDP (v1 and v2) ``Trainer._prepare_for_training`` delays optimizer creation until the
+    model is wrapped, but since transformers 5.3 ``_wrap_model`` no longer assigns the wrapped model to
+    ``self.model``, so the branch that creates it is skipped and ``create_scheduler`` fails with
+    ``'NoneType' object has no attribute 'param_groups'``. transformers 5.2 ran unpatched; 5.24 needs it
+    (tests/xla/test_xla_recipes.py checks both: needed, and applied).
+    Remove when: Trainer creates the delayed optimizer after XLA FSDP wrapping again.
+    """
+    original = trainer._wrap_model
+
+    def wrap_then_create_optimizer(model, *args, **kwargs):
+        wrapped = original(model, *args, **kwargs)
+        if trainer.is_fsdp_xla_enabled and trainer.optimizer is None and wrapped is not trainer.model:
+            trainer.create_optimizer(wrapped)
+        return wrapped
+
+    trainer._wrap_model = wrap_then_create_optimizer
+    try:
+        yield
+    finally:
+        del trainer._wrap_model

@@ -25,6 +25,7 @@ from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.keys import plain_value
 from fsdp_peft.launch import trainer_fsdp_arguments
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
+from fsdp_peft.xla import on_xla
 from fsdp_peft.yaml_files import load_yaml_file
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -194,7 +195,7 @@ def resolve_recipe_config(
     training_values = {k: v for k, v in parsed.items() if k not in recipe_fields}
     if training_values.get("output_dir") is None:
         training_values["output_dir"] = default_output_dir
-    if not torch.accelerator.is_available():
+    if not torch.accelerator.is_available() and not on_xla():
         training_values["use_cpu"] = True  # no accelerator: the CPU mode (bf16 autocast included)
     return recipe_args, training_values, options
 

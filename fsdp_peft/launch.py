@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.xla import on_xla, xla_fsdp_config
 from fsdp_peft.yaml_files import load_yaml_file
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -251,10 +252,12 @@ def _canonical_fsdp_config(raw: dict) -> dict:
         name = ACCELERATE_SPELLINGS.get(name, name)
         if name in TPU_KEYS and not value:
             continue  # the Trainer fills these in as false
+        if name in TPU_KEYS and on_xla():
+            continue  # the Trainer's XLA FSDP route reads these: fsdp_peft.xla
         if name in TPU_KEYS:
             raise ConfigError(
-                f"fsdp_config: {key}: the PyTorch/XLA (TPU) FSDP route is not supported by fsdp-peft yet; "
-                "remove the xla keys to use FSDP on GPUs (or the CPU mode)"
+                f"fsdp_config: {key}: the PyTorch/XLA (TPU) FSDP route needs an XLA device; set PJRT_DEVICE=TPU "
+                "(docs/tpu.md), or remove the xla keys to use FSDP on GPUs (or the CPU mode)"
             )
         if name not in FSDP_CONFIG_KEYS:
             close = difflib.get_close_matches(name, FSDP_CONFIG_KEYS, n=1, cutoff=0.6)
@@ -426,6 +429,8 @@ def fsdp_settings(training) -> FsdpSettings | None:
     """The FSDP settings of a run from its training values (a dict, or built `TrainingArguments`), or ``None``."""
     if not isinstance(training, dict):
         training = trainer_values(training)
+    if on_xla():
+        return None  # not torch FSDP: the Trainer's XLA FSDP route (fsdp_peft.xla)
     config, route = merged_fsdp_config(training)
     if config is None:
         return None
@@ -460,6 +465,11 @@ def trainer_fsdp_arguments(training: dict) -> dict:
     When the recipe asks for FSDP, the launcher's explicit keys join its fsdp_config (the Trainer would
     otherwise replace them with its own defaults); when only the launcher does, nothing changes.
     """
+    if on_xla():
+        on, _ = _fsdp_options(training.get("fsdp"))
+        return (
+            {"fsdp": True, "fsdp_config": xla_fsdp_config(_read_fsdp_config(training.get("fsdp_config")))} if on else {}
+        )
     config, route = merged_fsdp_config(training)
     if config is None or RECIPE_ROUTE not in route:
         return {}

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped
+from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped, xla_fsdp_optimizer_created
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import RECIPE_FILE, write_base_record
 from fsdp_peft.files import publish_directory
@@ -33,6 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
+from fsdp_peft.xla import prepare_for_xla_fsdp
 
 
 class PeftFsdpTrainer(Trainer):
@@ -70,7 +71,13 @@ class PeftFsdpTrainer(Trainer):
     def _prepare_for_training(self, *args, **kwargs):
         if self.is_fsdp_enabled and not is_sharded(self.model):
             configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype)
-        with trainer_peft_update_skipped(), weights_loaded_after_sharding(self.model, self.accelerator):
+        if self.is_fsdp_xla_enabled:
+            prepare_for_xla_fsdp(self.model, self.args)
+        with (
+            trainer_peft_update_skipped(),
+            xla_fsdp_optimizer_created(self),
+            weights_loaded_after_sharding(self.model, self.accelerator),
+        ):
             prepared = super()._prepare_for_training(*args, **kwargs)
         register_generate(self.model)
         return prepared

@@ -22,11 +22,19 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.keys import field_types, key_problems, unknown_choice
-from fsdp_peft.launch import FsdpSettings, fsdp_settings, launcher_asks_for_fsdp, ranks
+from fsdp_peft.launch import (
+    FsdpSettings,
+    _fsdp_options,
+    _read_fsdp_config,
+    fsdp_settings,
+    launcher_asks_for_fsdp,
+    ranks,
+)
 from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
+from fsdp_peft.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -371,6 +379,35 @@ def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
     return None
 
 
+def _xla_route_can_run(recipe, training) -> str | None:
+    """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only, one process, torch_xla installed."""
+    if not on_xla():
+        return None
+    device = f"PJRT_DEVICE={os.environ[DEVICE_VARIABLE]}"
+    if recipe.load_in_4bit:
+        return (
+            f"load_in_4bit: true on XLA ({device}): bitsandbytes has no XLA backend, so QLoRA cannot run on TPU; "
+            "use a LoRA recipe (load_in_4bit: false), e.g. configs/llama_lora/tpu_v5e_8.yaml"
+        )
+    on, options = _fsdp_options(training.get("fsdp"))
+    gpu_only = [o for o in options if o == "offload"] + (
+        gpu_only_fsdp_keys(_read_fsdp_config(training.get("fsdp_config"))) if on else []
+    )
+    if gpu_only or launcher_asks_for_fsdp():
+        named = f"fsdp_config: {gpu_only[0]}" if gpu_only else "accelerate config: distributed_type FSDP"
+        return (
+            f"{named}: torch FSDP (GPU) setting on XLA ({device}); the XLA route takes fsdp: true with "
+            "xla_fsdp_v2, xla_fsdp_grad_ckpt, xla_fsdp_settings, transformer_layer_cls_to_wrap, min_num_params "
+            "(docs/tpu.md); run the recipe with python, without accelerate launch"
+        )
+    if not torch_xla_installed():
+        return (
+            f"{device}: set, but torch_xla is not installed in this environment; use the TPU environment "
+            "(pip install -e '.[tpu]', docs/tpu.md) or unset PJRT_DEVICE"
+        )
+    return None
+
+
 RULES: list[Callable] = [
     _fsdp_settings_resolve,
     _dtype_keys_are_known,
@@ -394,6 +431,7 @@ RULES: list[Callable] = [
     _cpu_mode_cannot_load_on_rank_0_only,
     _checkpoints_are_finished_by_one_rank,
     _parallelism_config_fills_the_launch,
+    _xla_route_can_run,
 ]
 
 

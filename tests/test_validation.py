@@ -20,6 +20,12 @@ ACCELERATE_FSDP2 = {
 ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 CASES = {
+    "_xla_route_can_run": (
+        QLORA_TINY,
+        {"PJRT_DEVICE": "CPU"},
+        [],
+        "load_in_4bit: true on XLA (PJRT_DEVICE=CPU): bitsandbytes has no XLA backend, so QLoRA cannot run on TPU",
+    ),
     "_model_config_is_a_causal_lm": (
         LORA_TINY,
         {},
