@@ -287,7 +287,8 @@ def version_problem(package: str) -> str | None:
 @functools.cache
 def _checked() -> bool:
     problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in verified_releases()]
-    problems += [upstream_problem(entry) for entry in UPSTREAM]
+    xla_environment = "torch_xla" in verified_releases()  # its torch is torch-xla's; it never runs torch FSDP
+    problems += [upstream_problem(e) for e in UPSTREAM if not (xla_environment and e.package == "torch")]
     problems = [problem for problem in problems if problem]
     if problems:
         raise CompatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

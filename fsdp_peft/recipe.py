@@ -32,6 +32,7 @@ from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 from fsdp_peft.validation import check_before_training
+from fsdp_peft.xla import start_xla_runtime
 
 
 @exits_cleanly_on_user_error
@@ -53,6 +54,7 @@ def parse_recipe_config(
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     check_before_training(recipe_args, training_values)
+    start_xla_runtime(training_values)
     training_args = build_training_arguments(training_values, options.config)
     if options.print_config:
         if ranks().is_main:

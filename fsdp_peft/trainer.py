@@ -33,7 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
-from fsdp_peft.xla import prepare_for_xla_fsdp
+from fsdp_peft.xla import expose_generate, prepare_for_xla_fsdp, unwrap_xla_fsdp, xla_trainable_state_dict
 
 
 class PeftFsdpTrainer(Trainer):
@@ -80,6 +80,8 @@ class PeftFsdpTrainer(Trainer):
         ):
             prepared = super()._prepare_for_training(*args, **kwargs)
         register_generate(self.model)
+        if self.is_fsdp_xla_enabled:
+            expose_generate(self.model)
         return prepared
 
     def _save_checkpoint(self, model, trial):
@@ -103,7 +105,7 @@ class PeftFsdpTrainer(Trainer):
         finally:
             self._get_output_dir = original
         if self.args.should_save:
-            write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging_run / name)
+            write_adapter_metadata(self.unwrapped_model(), self.recipe_config, staging_run / name)
             layout = {**run_layout(self.args), "run_id": self.run_id}
             (staging_run / name / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
         self.accelerator.wait_for_everyone()
@@ -121,6 +123,10 @@ class PeftFsdpTrainer(Trainer):
                 use_mtime=True,
             )
         self.accelerator.wait_for_everyone()
+
+    def unwrapped_model(self):
+        """The `PeftModel`: accelerate unwraps torch FSDP; XLA FSDP's wrappers are taken off here."""
+        return unwrap_xla_fsdp(self.accelerator.unwrap_model(self.model))
 
     def train(self, *args, **kwargs):
         """Remove checkpoints a crash left half-written (hidden ``.checkpoint-N.partial``), then train."""
@@ -149,11 +155,14 @@ class PeftFsdpTrainer(Trainer):
         """
         directory = Path(directory)
         offload = self.args.device.type != "cpu"
-        state_dict = gather_trainable_state_dict(self.model, self.trainable_parameter_names, offload_to_cpu=offload)
+        if self.is_fsdp_xla_enabled:
+            state_dict = xla_trainable_state_dict(self.model, self.trainable_parameter_names)
+        else:
+            state_dict = gather_trainable_state_dict(self.model, self.trainable_parameter_names, offload)
         if self.args.should_save:
             with publish_directory(directory, replace=True) as staging:
-                write_adapter(self.accelerator.unwrap_model(self.model), state_dict, staging)
-                write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging)
+                write_adapter(self.unwrapped_model(), state_dict, staging)
+                write_adapter_metadata(self.unwrapped_model(), self.recipe_config, staging)
         if dist.is_initialized():
             dist.barrier()
         return directory

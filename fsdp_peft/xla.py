@@ -79,3 +79,61 @@ def parameter_shardings(model: torch.nn.Module) -> dict[str, str]:
     import torch_xla  # lazy: only on the XLA route
 
     return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in model.named_parameters()}
+
+
+def start_xla_runtime(training: dict) -> None:
+    """Switch PyTorch/XLA to SPMD before anything touches a device, when the run takes XLA FSDP v2.
+
+    SPMD is one process driving every device; it must be on before the first XLA tensor exists.
+    """
+    if not on_xla() or not training.get("fsdp"):
+        return
+    from fsdp_peft.launch import _read_fsdp_config  # lazy: launch imports this module
+
+    if xla_fsdp_config(_read_fsdp_config(training.get("fsdp_config")))["xla_fsdp_v2"]:
+        import torch_xla.runtime as xr  # lazy: only on the XLA route
+
+        xr.use_spmd()
+
+
+def unwrap_xla_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside XLA FSDP's outer wrapper (v2 keeps it as ``_orig_module``, v1 behind its flattener)."""
+    while True:
+        if hasattr(model, "_orig_module"):
+            model = model._orig_module
+        elif hasattr(model, "_fsdp_wrapped_module"):
+            model = model._fsdp_wrapped_module._fpw_module
+        else:
+            return model
+
+
+def xla_trainable_state_dict(model: torch.nn.Module, expected: list[str]) -> dict[str, torch.Tensor]:
+    """Full CPU copies of the ``expected`` trainable tensors of an XLA FSDP model, by their unwrapped names.
+
+    v2 (SPMD): a sharded tensor copied to the CPU is whole. v1: this process's shards, consolidated by
+    torch_xla (one process holds them all: one device on CPU, one host's devices on a TPU VM).
+    """
+    if hasattr(model, "get_shard_metadata"):
+        from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts  # lazy: only on the XLA route
+
+        shards = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+        state_dict = consolidate_sharded_state_dicts([shards], model.get_shard_metadata())
+    else:
+        state_dict = {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+    state_dict = {_unwrapped_name(name): tensor for name, tensor in state_dict.items()}
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise RuntimeError(f"XLA adapter lacks {len(missing)} trainable tensors (e.g. {missing[0]}); not saving it")
+    return {name: state_dict[name].clone() for name in expected}
+
+
+def _unwrapped_name(name: str) -> str:
+    wrappers = ("_orig_module", "_fsdp_wrapped_module", "_fpw_module")
+    return ".".join(part for part in name.split(".") if part not in wrappers)
+
+
+def expose_generate(wrapped: torch.nn.Module) -> None:
+    """``generate`` on XLA FSDP's outer wrapper: the wrapped `PeftModel`'s own, through the sharded units."""
+    inner = unwrap_xla_fsdp(wrapped)
+    if inner is not wrapped and "generate" not in vars(wrapped):
+        wrapped.generate = inner.generate

@@ -17,6 +17,7 @@ from transformers import DataCollatorForSeq2Seq
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.xla import on_xla
 
 
 def pack(rows: Dataset, max_seq_length: int, seed: int) -> Dataset:
@@ -70,6 +71,10 @@ def data_collator(recipe: RecipeArguments, tokenizer):
     """The collator for `load_data`'s rows: padding with labels -100, or padding packed rows."""
     if recipe.packing:
         return PackedCollator(tokenizer.pad_token_id)
+    if on_xla():  # one shape, one compiled graph: XLA compiles again for every new batch shape
+        return DataCollatorForSeq2Seq(
+            tokenizer, label_pad_token_id=IGNORE_INDEX, padding="max_length", max_length=recipe.max_seq_length
+        )
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 
