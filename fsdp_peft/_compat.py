@@ -202,6 +202,13 @@ UPSTREAM: tuple[Upstream, ...] = (
         mentions=("_fsdp_param_groups", "_auto_reshard_after_forward"),
     ),
     Upstream(
+        "transformers.trainer:Trainer._load_from_checkpoint",
+        ("self", "resume_from_checkpoint", "model"),
+        "fsdp_peft.trainer.PeftFsdpTrainer (fsdp_peft.xla.load_spmd_checkpoint)",
+        "an XLA FSDP v2 checkpoint holds wrapped names, which Trainer loads non-strictly into the unwrapped model",
+        "Trainer saves or loads XLA FSDP v2 checkpoints by the unwrapped names",
+    ),
+    Upstream(
         "transformers.trainer:Trainer._wrap_model",
         ("self", "model", "training", "dataloader"),
         "fsdp_peft._compat.xla_fsdp_optimizer_created",

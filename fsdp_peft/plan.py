@@ -33,6 +33,7 @@ from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.validation import mixed_precision_dtype
+from fsdp_peft.xla import xla_plan
 
 GIB = 2**30
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 values
@@ -279,6 +280,11 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
+    xla = xla_plan(training, ranks, tokens)
+    if xla is not None:  # TPU chips as ranks: fsdp_peft.xla
+        fsdp, xla_checkpointing, tokens = xla
+        checkpointing = checkpointing or xla_checkpointing
+        notes = [note for note in notes if not note.startswith("no FSDP settings")]
     plan = MemoryPlan(
         config=str(config_path),
         model=recipe.model_name_or_path,

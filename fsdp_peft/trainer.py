@@ -33,7 +33,13 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
-from fsdp_peft.xla import expose_generate, prepare_for_xla_fsdp, unwrap_xla_fsdp, xla_trainable_state_dict
+from fsdp_peft.xla import (
+    expose_generate,
+    load_spmd_checkpoint,
+    prepare_for_xla_fsdp,
+    unwrap_xla_fsdp,
+    xla_trainable_state_dict,
+)
 
 
 class PeftFsdpTrainer(Trainer):
@@ -138,6 +144,12 @@ class PeftFsdpTrainer(Trainer):
         adapter = getattr(self.model, "active_adapter", "default")
         with fsdp1_adapter_checkpoints(self.trainable_parameter_names, adapter):
             return super().train(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """XLA FSDP v2 checkpoints hold the wrapped model's names: `load_spmd_checkpoint` unwraps them."""
+        if self.is_fsdp_xla_v2_enabled:
+            return load_spmd_checkpoint(model if model is not None else self.model, resume_from_checkpoint)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _run_epoch(self, *args, **kwargs):
         """Nothing left to train (resumed from a checkpoint at ``max_steps``): Trainer would take one more step."""

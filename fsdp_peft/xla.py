@@ -137,3 +137,33 @@ def expose_generate(wrapped: torch.nn.Module) -> None:
     inner = unwrap_xla_fsdp(wrapped)
     if inner is not wrapped and "generate" not in vars(wrapped):
         wrapped.generate = inner.generate
+
+
+def xla_plan(training: dict, chips: int, tokens: int) -> tuple[str, bool, int] | None:
+    """How `fsdp-peft plan` counts a run on XLA FSDP (``PJRT_DEVICE`` set): its name, whether every layer is
+    checkpointed, and the tokens per chip (SPMD: one process, its batch split over the chips); else ``None``."""
+    if not on_xla() or not training.get("fsdp"):
+        return None
+    from fsdp_peft.launch import _read_fsdp_config  # lazy: launch imports this module
+
+    config = xla_fsdp_config(_read_fsdp_config(training.get("fsdp_config")))
+    if config["xla_fsdp_v2"]:
+        return "XLA FSDP v2 (SPMD)", config["xla_fsdp_grad_ckpt"], -(-tokens // chips)
+    return "XLA FSDP v1", config["xla_fsdp_grad_ckpt"], tokens
+
+
+def load_spmd_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:
+    """Load an XLA FSDP v2 checkpoint's weights into ``model`` (not yet wrapped), every tensor required.
+
+    Trainer saves the wrapped model's state dict (names with ``_orig_module``) and loads it non-strictly into
+    the model before it is wrapped, where no name matches: a resumed run would silently restart from the
+    initial adapter. Here the names are unwrapped first.
+    """
+    from pathlib import Path  # lazy: only resuming on XLA reads files here
+
+    state_dict = torch.load(Path(checkpoint) / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    state_dict = {_unwrapped_name(name): tensor for name, tensor in state_dict.items()}
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if missing or unexpected:
+        names = [*missing, *unexpected]
+        raise RuntimeError(f"{checkpoint}: {len(names)} tensors do not match the model (e.g. {names[0]})")

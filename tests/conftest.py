@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# tests/xla/ needs the TPU environment (torch-xla, docs/tpu.md); .ci/run builds it and runs them there.
+collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 ACCELERATE_CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 
 
