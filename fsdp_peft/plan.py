@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fsdp_peft.config import resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
-from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.validation import mixed_precision_dtype
@@ -280,7 +280,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
-    xla = xla_plan(training, ranks, tokens)
+    xla = xla_plan(trainer_fsdp_arguments(training).get("fsdp_config"), ranks, tokens)
     if xla is not None:  # TPU chips as ranks: fsdp_peft.xla
         fsdp, xla_checkpointing, tokens = xla
         checkpointing = checkpointing or xla_checkpointing

@@ -25,7 +25,7 @@ from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, lo
 from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.export import export_merged
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
-from fsdp_peft.launch import ranks, release_process_group
+from fsdp_peft.launch import ranks, release_process_group, trainer_fsdp_arguments
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.paths import resolve_model_path
@@ -54,7 +54,7 @@ def parse_recipe_config(
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     check_before_training(recipe_args, training_values)
-    start_xla_runtime(training_values)
+    start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     training_args = build_training_arguments(training_values, options.config)
     if options.print_config:
         if ranks().is_main:

@@ -81,16 +81,13 @@ def parameter_shardings(model: torch.nn.Module) -> dict[str, str]:
     return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in model.named_parameters()}
 
 
-def start_xla_runtime(training: dict) -> None:
+def start_xla_runtime(fsdp_config: dict | None) -> None:
     """Switch PyTorch/XLA to SPMD before anything touches a device, when the run takes XLA FSDP v2.
 
-    SPMD is one process driving every device; it must be on before the first XLA tensor exists.
+    ``fsdp_config`` is the Trainer's (``fsdp_peft.launch.trainer_fsdp_arguments``). SPMD is one process
+    driving every device; it must be on before the first XLA tensor exists.
     """
-    if not on_xla() or not training.get("fsdp"):
-        return
-    from fsdp_peft.launch import _read_fsdp_config  # lazy: launch imports this module
-
-    if xla_fsdp_config(_read_fsdp_config(training.get("fsdp_config")))["xla_fsdp_v2"]:
+    if on_xla() and fsdp_config and fsdp_config.get("xla_fsdp_v2"):
         import torch_xla.runtime as xr  # lazy: only on the XLA route
 
         xr.use_spmd()
@@ -139,17 +136,15 @@ def expose_generate(wrapped: torch.nn.Module) -> None:
         wrapped.generate = inner.generate
 
 
-def xla_plan(training: dict, chips: int, tokens: int) -> tuple[str, bool, int] | None:
-    """How `fsdp-peft plan` counts a run on XLA FSDP (``PJRT_DEVICE`` set): its name, whether every layer is
-    checkpointed, and the tokens per chip (SPMD: one process, its batch split over the chips); else ``None``."""
-    if not on_xla() or not training.get("fsdp"):
+def xla_plan(fsdp_config: dict | None, chips: int, tokens: int) -> tuple[str, bool, int] | None:
+    """How `fsdp-peft plan` counts a run on XLA FSDP (``PJRT_DEVICE`` set; ``fsdp_config`` the Trainer's): its
+    name, whether every layer is checkpointed, and the tokens per chip (SPMD: one process, its batch split
+    over the chips); else ``None``."""
+    if not on_xla() or not fsdp_config or not fsdp_config.get("xla"):
         return None
-    from fsdp_peft.launch import _read_fsdp_config  # lazy: launch imports this module
-
-    config = xla_fsdp_config(_read_fsdp_config(training.get("fsdp_config")))
-    if config["xla_fsdp_v2"]:
-        return "XLA FSDP v2 (SPMD)", config["xla_fsdp_grad_ckpt"], -(-tokens // chips)
-    return "XLA FSDP v1", config["xla_fsdp_grad_ckpt"], tokens
+    if fsdp_config["xla_fsdp_v2"]:
+        return "XLA FSDP v2 (SPMD)", fsdp_config["xla_fsdp_grad_ckpt"], -(-tokens // chips)
+    return "XLA FSDP v1", fsdp_config["xla_fsdp_grad_ckpt"], tokens
 
 
 def load_spmd_checkpoint(model: torch.nn.Module, checkpoint: str) -> None:

@@ -123,7 +123,7 @@ def test_fsdp_in_the_yaml_needs_a_launcher(tmp_path, monkeypatch):
 
 
 def test_shipped_recipe_configs_validate(tmp_path):
-    for config in sorted((REPO / "configs").glob("llama_*/*.yaml")):
+    for config in sorted(p for p in (REPO / "configs").glob("llama_*/*.yaml") if not p.name.startswith("tpu_")):
         recipe, training = parse_recipe_config(["--config", str(config)], config, str(tmp_path))
         assert recipe.model_name_or_path
         assert Path(config).read_text().startswith("#"), f"{config} must open with its comment block"

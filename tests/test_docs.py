@@ -247,6 +247,8 @@ def _accelerate_config_with(name: str, key: str, value: str) -> str:
 GPU = "needs GPUs: checked as the launch would start it, without weights"
 NODES = "needs several machines: checked as node 0 would start it; tests/test_multinode.py runs it on 2 CPU 'nodes'"
 SLURM = "needs Slurm: the script's dry run prints each node's launcher (tests/test_multinode.py::test_dry_run_*)"
+TPU_ENVIRONMENT = "the TPU environment (torch 2.9.0 + torch-xla 2.9.0): .ci/run runs the documented line verbatim"
+TPU = "needs a TPU and the TPU environment"
 TORCHRUN_2X8 = "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 16\nmachine_rank: 0\n"
 
 # Documented commands that cannot run on this machine as written, and what runs in their place.
@@ -323,6 +325,23 @@ INSTEAD: dict[str, Run] = {
         "ACCELERATE_CONFIG=configs/accelerate/hsdp_fsdp2.yaml DRY_RUN=1 SLURM_JOB_NODELIST=node1,node2 "
         "bash configs/slurm/recipe.sbatch",
         why=SLURM,
+    ),
+    **{
+        line: Run(f"grep -qxF '{line}' .ci/run", why=TPU_ENVIRONMENT)
+        for line in (
+            "python3 -m venv .venv-xla",
+            ".venv-xla/bin/python -m pip install -q -r requirements-tpu.txt",
+            ".venv-xla/bin/python -m pip install -q --no-deps -e .",
+            ".venv-xla/bin/python -m pytest -q -p no:cacheprovider tests/xla",
+        )
+    },
+    "PJRT_DEVICE=TPU python recipes/llama_lora.py --config configs/llama_lora/tpu_v5e_8.yaml": Run(
+        f"grep -qF 'tpu_*.yaml' {REPO}/tests/xla/test_xla_recipes.py",
+        why=TPU + "; tests/xla validates it there and runs the same recipe on simulated devices",
+    ),
+    "PJRT_DEVICE=TPU fsdp-peft plan configs/llama_lora/tpu_v5e_8.yaml --gpus 8 --gpu-memory 16GiB": Run(
+        "PJRT_DEVICE=TPU fsdp-peft plan configs/llama_lora/tpu_v5e_8.yaml --gpus 8 --gpu-memory 16GiB",
+        why="as written: the plan needs no TPU (PJRT_DEVICE only selects the XLA route's counting)",
     ),
     "python benchmarks/train_cpu.py": Run(
         "python benchmarks/train_cpu.py --models tiny --methods lora --steps 1",

@@ -146,7 +146,7 @@ def test_the_adapter_exported_from_an_xla_run_equals_the_cpu_runs_export(runs, t
         (swapped / path.name).write_bytes(path.read_bytes())
     (swapped / "adapter_model.safetensors").write_bytes((xla_adapter / "adapter_model.safetensors").read_bytes())
     for adapter, merged in ((xla_adapter, tmp_path / "from_xla"), (swapped, tmp_path / "from_cpu")):
-        export_merged(adapter, merged, base=tiny_model_path(), dtype="float32", overwrite=True, progress=False)
+        export_merged(adapter, merged, base=tiny_model_path(), dtype="fp32", overwrite=True, progress=False)
     from_xla, from_cpu = (load_file(tmp_path / d / "model.safetensors") for d in ("from_xla", "from_cpu"))
     assert from_xla.keys() == from_cpu.keys() and len(from_xla) > 30
     assert all(torch.equal(from_xla[name], from_cpu[name]) for name in from_cpu)
@@ -209,3 +209,16 @@ def test_the_optimizer_fix_is_needed_and_applies(tmp_path):
         os.environ.update(env)
     assert result.returncode != 0
     assert "'NoneType' object has no attribute 'param_groups'" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*/tpu_*.yaml")), ids=lambda p: p.name)
+def test_tpu_configs_validate_on_xla_and_open_with_their_header(config, monkeypatch, capsys):
+    from fsdp_peft import cli
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    cli.main(["validate", str(config)])
+    assert capsys.readouterr().out.strip() == f"{config}: ok"
+    header = config.read_text().split("\n\n")[0]
+    assert f"PJRT_DEVICE=TPU python recipes/{config.parent.name}.py --config configs/" in header
+    assert "# Hardware: one TPU v" in header and "Expected HBM per chip: about " in header
+    assert f"fsdp-peft plan configs/{config.parent.name}/{config.name} --gpus" in header
