@@ -222,3 +222,25 @@ def test_tpu_configs_validate_on_xla_and_open_with_their_header(config, monkeypa
     assert f"PJRT_DEVICE=TPU python recipes/{config.parent.name}.py --config configs/" in header
     assert "# Hardware: one TPU v" in header and "Expected HBM per chip: about " in header
     assert f"fsdp-peft plan configs/{config.parent.name}/{config.name} --gpus" in header
+
+
+def test_tpu_config_headers_give_the_plans_hbm_per_chip(monkeypatch, tmp_path):
+    """The documented ``PJRT_DEVICE=TPU fsdp-peft plan ...`` line of each TPU config, on the model's published
+    config.json (offline, as tests/test_docs.py serves it): its total is the header's figure."""
+    from test_docs import HUB_CONFIGS
+
+    from fsdp_peft.plan import plan_memory
+
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    for config in sorted((REPO / "configs").glob("*/tpu_*.yaml")):
+        header = config.read_text().split("\n\n")[0]
+        command = re.search(r"PJRT_DEVICE=TPU fsdp-peft plan (\S+) --gpus (\d+) --gpu-memory (\d+)GiB", header)
+        assert command and command.group(1) == f"configs/{config.parent.name}/{config.name}"
+        model = re.search(r"(?m)^model_name_or_path: (\S+)", config.read_text()).group(1)
+        (tmp_path / config.stem).mkdir()
+        (tmp_path / config.stem / "config.json").write_text(json.dumps(HUB_CONFIGS[model]))
+        local = tmp_path / config.name
+        local.write_text(config.read_text().replace(model, str(tmp_path / config.stem)))
+        plan = plan_memory(local, int(command.group(2)), int(command.group(3)) * 2**30)
+        assert plan.fsdp == "XLA FSDP v2 (SPMD)" and plan.activation_checkpointing and plan.fits
+        assert f"Expected HBM per chip: about {plan.gpu_total / 2**30:.1f} GiB" in header, plan.gpu_total / 2**30
