@@ -94,14 +94,11 @@ def start_xla_runtime(fsdp_config: dict | None) -> None:
 
 
 def unwrap_xla_fsdp(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside XLA FSDP's outer wrapper (v2 keeps it as ``_orig_module``, v1 behind its flattener)."""
-    while True:
-        if hasattr(model, "_orig_module"):
-            model = model._orig_module
-        elif hasattr(model, "_fsdp_wrapped_module"):
-            model = model._fsdp_wrapped_module._fpw_module
-        else:
-            return model
+    """The model inside torch_xla's FSDP wrappers (v2 keeps it as ``module``; v1 behind a parameter flattener,
+    itself a torch_xla module); any other model is returned as it is."""
+    while type(model).__module__.startswith("torch_xla."):
+        model = model.module
+    return model
 
 
 def xla_trainable_state_dict(model: torch.nn.Module, expected: list[str]) -> dict[str, torch.Tensor]:
