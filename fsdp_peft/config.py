@@ -116,6 +116,9 @@ class RecipeArguments:
     )
 
 
+PREFERENCE_KEYS = ("beta", "loss_type", "precompute_ref_log_probs", "ref_model")  # a config that sets one is DPO's
+
+
 class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 

@@ -70,8 +70,10 @@ def parse_preference_config(argv: list[str], default_config: Path, default_outpu
 
 
 @torch.no_grad()
-def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int) -> dict | None:
+def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int, pairs_path: Path | None = None) -> dict | None:
     """Per held-out pair: policy and reference log-probs of chosen and rejected, and the implicit rewards.
+
+    With ``pairs_path``, rank 0 writes them, one JSON line per pair (``[chosen, rejected]`` each).
 
     Returns means and accuracies: ``reward_accuracy`` (chosen reward above rejected; a tie, as when the
     policy still equals the reference, counts half), ``margin``, ``logp_chosen``/``logp_rejected`` (policy)
@@ -98,6 +100,9 @@ def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int) -> dict |
     policy, reference = torch.cat(policy), torch.cat(reference)
     rewards = trainer.beta * (policy - reference)
     margin = rewards[:, 0] - rewards[:, 1]
+    if pairs_path is not None and trainer.is_world_process_zero():
+        rows = [{"policy": p, "reference": r} for p, r in zip(policy.tolist(), reference.tolist())]
+        pairs_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return {
         "pairs": len(rows),
         "reward_accuracy": ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item(),
@@ -108,6 +113,13 @@ def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int) -> dict |
         "ref_logp_chosen": reference[:, 0].mean().item(),
         "ref_logp_rejected": reference[:, 1].mean().item(),
     }
+
+
+def held_out_pairs(dataset, count: int):
+    """The first ``count`` held-out pairs (``generate_samples``), the ones generation completes too."""
+    if dataset is None or count == 0:
+        return None
+    return dataset.select(range(min(count, len(dataset))))
 
 
 def policy_log_probs(trainer: DPOTrainer, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +180,9 @@ class PreferenceBeforeTraining(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.trainer is None or state.global_step != 0:
             return  # a resumed run is not scored again
-        self.metrics = held_out_preference(self.trainer, self.trainer.eval_dataset, args.per_device_eval_batch_size)
+        pairs = held_out_pairs(self.trainer.eval_dataset, len(self.examples))
+        path = Path(args.output_dir) / "held_out_before.jsonl"
+        self.metrics = held_out_preference(self.trainer, pairs, args.per_device_eval_batch_size, path)
         self.generation = generation_preference(model, self.tokenizer, self.examples, self.recipe, args.device, None)
 
 
@@ -207,7 +221,10 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     output_dir = Path(training.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()
-    after = held_out_preference(trainer, trainer.eval_dataset, training.per_device_eval_batch_size)
+    pairs = held_out_pairs(trainer.eval_dataset, len(samples))
+    after = held_out_preference(
+        trainer, pairs, training.per_device_eval_batch_size, output_dir / "held_out_after.jsonl"
+    )
     samples_path = output_dir / "samples.jsonl"
     generation_after = generation_preference(
         trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path

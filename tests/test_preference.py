@@ -1,0 +1,282 @@
+"""Preference tuning (DPO): data rules, and real 2-rank runs of recipes/llama_dpo.py through TRL's DPOTrainer.
+
+One FSDP2 run of 5 steps (checkpoint at step 3) serves several checks: equivalence with one process of
+the same global batch, reference log-probs against a plain unsharded base, resume, memory.json against
+SFT's, and the downstream commands on its output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+
+from conftest import launch_recipe, logged_losses, read_json, run_command
+from fsdp_peft.config import RecipeArguments
+from fsdp_peft.data.preference import load_preference_data, read_preference_source
+from fsdp_peft.data.sources import Source
+from fsdp_peft.errors import ConfigError
+
+STEPS = 5
+COMMON = [
+    "--max_steps",
+    str(STEPS),
+    "--logging_steps",
+    "1",
+    "--lr_scheduler_type",
+    "constant",
+    "--warmup_steps",
+    "0",
+    "--generate_samples",
+    "8",
+    "--generate_max_new_tokens",
+    "4",
+    "--disable_tqdm",
+    "true",
+]
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from fsdp_peft.modeling import load_tokenizer
+
+    return load_tokenizer(RecipeArguments(model_name_or_path=str(tiny_model_dir)))
+
+
+def _write(tmp_path, rows, name="train.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_pairs_as_strings_and_chats_reach_trl_as_the_prompt_and_answers_the_model_sees(tmp_path, tokenizer):
+    chat = [{"role": "user", "content": "reverse: abc"}]
+    rows = [
+        {"prompt": "reverse: abc", "chosen": "cba", "rejected": "abc"},
+        {
+            "chosen": [*chat, {"role": "assistant", "content": "cba"}],
+            "rejected": [*chat, {"role": "assistant", "content": "abc"}],
+        },
+        {
+            "prompt": chat,
+            "chosen": [{"role": "assistant", "content": "cba"}],
+            "rejected": [{"role": "assistant", "content": "abc"}],
+        },
+    ]
+    data, examples, dropped = read_preference_source(Source((_write(tmp_path, rows),)), tokenizer, RecipeArguments())
+    want = {
+        "prompt": "<|begin_of_text|><|user|>reverse: abc<|end|><|assistant|>",
+        "chosen": "cba<|end|>",
+        "rejected": "abc<|end|>",
+    }
+    assert [dict(row) for row in data] == [want] * 3 and not dropped
+    assert [(e.prompt, e.chosen, e.rejected) for e in examples] == [("reverse: abc", "cba", "abc")] * 3
+
+
+def test_kto_rows_are_sft_rows_with_a_label(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "reverse: abc", "completion": "cba", "label": True},
+        {"prompt": "x", "completion": "y", "label": "no"},
+    ]
+    recipe = RecipeArguments()
+    with pytest.raises(ConfigError, match=r"row 2: 'label' must be true or false, got str; fix the row or set skip"):
+        read_preference_source(Source((_write(tmp_path, rows),)), tokenizer, recipe, unpaired=True)
+    data, _, dropped = read_preference_source(Source((_write(tmp_path, rows[:1]),)), tokenizer, recipe, unpaired=True)
+    assert dict(data[0]) == {
+        "prompt": "<|begin_of_text|><|user|>reverse: abc<|end|><|assistant|>",
+        "completion": "cba<|end|>",
+        "label": True,
+    }
+
+
+USER, ANSWER = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+BAD_ROWS = {
+    "missing rejected": ({"prompt": "p", "chosen": "a"}, "row 1: missing field 'rejected'; fix the row"),
+    "identical": ({"prompt": "p", "chosen": "a", "rejected": "a"}, "row 1: 'chosen' and 'rejected' are identical"),
+    "empty": ({"prompt": "p", "chosen": "", "rejected": "b"}, "row 1: empty 'chosen' leaves nothing to compare"),
+    "roles out of order": (
+        {"chosen": [ANSWER, USER, ANSWER], "rejected": [USER, {"role": "assistant", "content": "b"}]},
+        "row 1: 'chosen' has roles ['assistant', 'user', 'assistant'] out of order",
+    ),
+    "empty turn": (
+        {"chosen": [USER, {"role": "assistant", "content": " "}], "rejected": [USER, ANSWER]},
+        "row 1: 'chosen'[1] (assistant) has empty content",  # the SFT data's own message
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_preference_rows_fail_like_sft_rows_or_are_skipped_and_counted(case, tmp_path, tokenizer):
+    row, message = BAD_ROWS[case]
+    path = _write(tmp_path, [row])
+    with pytest.raises(ConfigError) as error:
+        read_preference_source(Source((path,)), tokenizer, RecipeArguments())
+    assert str(error.value).startswith(f"{path}: {message}") and str(error.value).endswith(
+        "or set skip_invalid_rows: true"
+    )
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    _write(tmp_path, [row, good])
+    data, _, dropped = read_preference_source(Source((path,)), tokenizer, RecipeArguments(skip_invalid_rows=True))
+    assert len(data) == 1 and sum(dropped.values()) == 1
+
+
+def test_a_hub_preference_dataset_is_read_by_its_name_and_splits(monkeypatch, tokenizer):
+    """The hub is out of reach here: ``datasets.load_dataset`` answers with UltraFeedback-shaped rows."""
+    chat = [{"role": "user", "content": "q"}]
+    rows = [{"prompt": "q", "chosen": [*chat, ANSWER], "rejected": [*chat, {"role": "assistant", "content": "b"}]}]
+    asked = []
+
+    def load_dataset(name, config, split):
+        asked.append((name, config, split))
+        return Dataset.from_list(rows * 3)
+
+    monkeypatch.setattr("fsdp_peft.data.sources.datasets.load_dataset", load_dataset)
+    recipe = RecipeArguments(
+        dataset="HuggingFaceH4/ultrafeedback_binarized",
+        dataset_train_split="train_prefs",
+        dataset_eval_split="test_prefs",
+    )
+    train, held_out, examples = load_preference_data(recipe, tokenizer)
+    assert asked == [(recipe.dataset, None, "train_prefs"), (recipe.dataset, None, "test_prefs")]
+    assert len(train) == len(held_out) == len(examples) == 3 and train[0]["rejected"] == "b<|end|>"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """The 2-rank FSDP2 run (checkpoint at 3), one process with the same global batch, a resume from step 3,
+    and SFT's first step on the same model and adapter."""
+    two = tmp_path_factory.mktemp("dpo_two_ranks")
+    launch_recipe("llama_dpo", "--output_dir", str(two), *COMMON, "--save_strategy", "steps", "--save_steps", "3")
+    one = tmp_path_factory.mktemp("dpo_one_process")
+    launch_recipe("llama_dpo", "--output_dir", str(one), *COMMON, "--per_device_train_batch_size", "32", processes=1)
+    resumed = tmp_path_factory.mktemp("dpo_resumed")
+    shutil.copytree(two / "checkpoint-3", resumed / "checkpoint-3")
+    launch_recipe(
+        "llama_dpo", "--output_dir", str(resumed), *COMMON, "--resume_from_checkpoint", str(resumed / "checkpoint-3")
+    )
+    sft = tmp_path_factory.mktemp("sft")
+    launch_recipe("llama_lora", "--output_dir", str(sft), "--max_steps", "1", "--generate_samples", "0")
+    return {"two": two, "one": one, "resumed": resumed, "sft": sft, "model": tiny_model_dir}
+
+
+def _logged(output_dir, key):
+    history = read_json(output_dir / "trainer_state.json")["log_history"]
+    return {e["step"]: e[key] for e in history if key in e}
+
+
+@pytest.mark.slow
+def test_dpo_on_two_ranks_matches_one_process_with_the_same_global_batch(runs):
+    assert read_json(runs["two"] / "fsdp_layout.json")["world_size"] == 2
+    worst = 0.0
+    for key in METRICS:
+        got, want = _logged(runs["two"], key), _logged(runs["one"], key)
+        assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), key
+        for step, value in want.items():
+            scale = max(abs(value), 1e-3 if key.startswith("rewards") else 1e-12)  # rewards start at exactly 0
+            worst = max(worst, abs(got[step] - value) / scale)
+    print(f"DPO FSDP2 2 ranks vs 1 process, {STEPS} steps: largest relative difference {worst:.2e}")
+    assert worst <= 1e-5
+    assert _logged(runs["two"], "rewards/accuracies") == _logged(runs["one"], "rewards/accuracies")
+
+
+def _plain_log_probs(model_dir, tokenizer_texts):
+    """Summed log-probs of each completion after its prompt, by the base model alone (no peft, no FSDP)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sums = []
+    for prompt, completion in tokenizer_texts:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        log_probs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        sums.append(log_probs[len(prompt_ids) - 1 :].sum().item())
+    return sums
+
+
+@pytest.mark.slow
+def test_reference_log_probs_are_the_unsharded_base_models_before_after_and_after_resume(runs):
+    from fsdp_peft.tiny import TINY_PREFERENCE_DIR
+
+    pairs = [json.loads(line) for line in (TINY_PREFERENCE_DIR / "eval.jsonl").read_text().splitlines()[:8]]
+    prompt = "<|begin_of_text|><|user|>{}<|end|><|assistant|>"
+    texts = [(prompt.format(p["prompt"]), p[key] + "<|end|>") for p in pairs for key in ("chosen", "rejected")]
+    want = _plain_log_probs(runs["model"], texts)
+    for run, name in (
+        (runs["two"], "held_out_before"),
+        (runs["two"], "held_out_after"),
+        (runs["resumed"], "held_out_after"),
+    ):
+        rows = [json.loads(line) for line in (run / f"{name}.jsonl").read_text().splitlines()]
+        got = [value for row in rows for value in row["reference"]]
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+        print(f"reference log-probs, {run.name} {name}: largest relative difference to the plain base {worst:.1e}")
+        assert len(got) == len(want) == 16 and worst <= 1e-5
+    before = [json.loads(line) for line in (runs["two"] / "held_out_before.jsonl").read_text().splitlines()]
+    assert all(row["policy"] == row["reference"] for row in before)  # a fresh adapter is the reference
+
+
+@pytest.mark.slow
+def test_resume_from_a_mid_run_checkpoint_repeats_the_uninterrupted_losses(runs):
+    want, got = logged_losses(runs["two"]), logged_losses(runs["resumed"])
+    assert sorted(got) == [4, 5]
+    for step in (4, 5):
+        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_dpo_holds_no_second_copy_per_rank_bytes_equal_sft(runs):
+    dpo, sft = read_json(runs["two"] / "memory.json"), read_json(runs["sft"] / "memory.json")
+    keys = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "parameter_gradient_optimizer_bytes")
+    for dpo_rank, sft_rank in zip(dpo["ranks"], sft["ranks"]):
+        print(
+            f"rank {dpo_rank['rank']}: DPO {dpo_rank['parameter_gradient_optimizer_bytes']:,} bytes, SFT "
+            f"{sft_rank['parameter_gradient_optimizer_bytes']:,}"
+        )
+        assert {k: dpo_rank[k] for k in keys} == {k: sft_rank[k] for k in keys}
+    layout = read_json(runs["two"] / "fsdp_layout.json")
+    assert not [p for p in layout["parameters"] if ".ref." in p["name"]]  # TRL's "ref" adapter was removed
+    dtypes = {p["dtype"] for p in layout["parameters"] if ".lora_" in p["name"]}
+    assert dtypes == {"torch.float32"}
+
+
+@pytest.mark.slow
+def test_results_report_preference_before_and_after(runs):
+    results = read_json(runs["two"] / "results.json")
+    before, after = results["preference_before"], results["preference_after"]
+    assert before["reward_accuracy"] == 0.5 and before["margin"] == 0.0 and before["pairs"] == 8
+    assert after["pairs"] == 8 and after["logp_chosen"] != before["logp_chosen"]
+    assert results["generation_before"]["prompts"] == results["generation_after"]["prompts"] == 8
+
+
+@pytest.mark.slow
+def test_generate_export_plan_validate_ls_and_cp_work_on_dpo_output(runs, tmp_path):
+    two = runs["two"]
+    cli = [sys.executable, "-m", "fsdp_peft.cli"]
+    generated = run_command(
+        [*cli, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
+    )
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert json.loads(generated.stdout.strip().splitlines()[-1])["prompt"] == "reverse: abcde"
+    exported = run_command(
+        [*cli, "export", str(two / "checkpoint-3"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
+    )
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "merged" / "config.json").is_file()
+    validated = run_command([*cli, "validate", "configs/llama_dpo/tiny.yaml"])
+    assert validated.returncode == 0 and validated.stdout.strip() == "configs/llama_dpo/tiny.yaml: ok"
+    planned = run_command([*cli, "plan", "configs/llama_dpo/llama3_1_8b_qlora.yaml", "--gpus", "2", "--json"])
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout)
+    assert plan["tokens_per_rank"] == 2 * 1 * 1024 and any("chosen + rejected" in n for n in plan["notes"])
+    listed = run_command([*cli, "ls"])
+    assert "llama_dpo" in listed.stdout and "llama_dpo/llama3_1_8b_qlora.yaml" in listed.stdout
+    copied = run_command([*cli, "cp", "llama_dpo/tiny", str(tmp_path)])
+    assert copied.returncode == 0 and (tmp_path / "tiny.yaml").read_text().startswith("# DPO with LoRA")
