@@ -15,7 +15,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from fsdp_peft import cli
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.preference import load_preference_data, read_preference_source
 from fsdp_peft.data.sources import Source
@@ -261,33 +262,35 @@ def test_results_report_preference_before_and_after(runs):
 
 
 @pytest.mark.slow
-def test_generate_export_plan_validate_ls_and_cp_work_on_dpo_output(runs, tmp_path):
+def test_generate_and_export_work_on_dpo_output(runs, tmp_path):
     two = runs["two"]
-    cli = [sys.executable, "-m", "fsdp_peft.cli"]
+    command = [sys.executable, "-m", "fsdp_peft.cli"]
     generated = run_command(
-        [*cli, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
+        [*command, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
     assert generated.returncode == 0, generated.stderr[-2000:]
     assert json.loads(generated.stdout.strip().splitlines()[-1])["prompt"] == "reverse: abcde"
     exported = run_command(
-        [*cli, "export", str(two / "checkpoint-3"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
+        [*command, "export", str(two / "checkpoint-3"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
     )
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "merged" / "config.json").is_file()
-    validated = run_command([*cli, "validate", "configs/llama_dpo/tiny.yaml"])
-    assert validated.returncode == 0 and validated.stdout.strip() == "configs/llama_dpo/tiny.yaml: ok"
+
+
+def test_validate_plan_ls_and_cp_know_the_dpo_recipes(tmp_path, capsys):
+    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+    cli.main(["validate", str(config)])
+    assert capsys.readouterr().out.strip() == f"{config}: ok"
     plans = {}
     for name in ("llama_dpo", "llama_lora"):
-        planned = run_command([*cli, "plan", f"configs/{name}/tiny.yaml", "--gpus", "2", "--json"])
-        assert planned.returncode == 0, planned.stderr[-2000:]
-        plans[name] = json.loads(planned.stdout)
+        cli.main(["plan", str(REPO / "configs" / name / "tiny.yaml"), "--gpus", "2", "--json"])
+        plans[name] = json.loads(capsys.readouterr().out)
     assert plans["llama_dpo"]["tokens_per_rank"] == 2 * plans["llama_lora"]["tokens_per_rank"] == 2 * 16 * 64
     assert any("chosen + rejected" in note for note in plans["llama_dpo"]["notes"])
-    assert (
-        plans["llama_dpo"]["parameter_gradient_optimizer_bytes"]
-        == plans["llama_lora"]["parameter_gradient_optimizer_bytes"]
-    )
-    listed = run_command([*cli, "ls"])
-    assert "llama_dpo" in listed.stdout and "llama_dpo/llama3_1_8b_qlora.yaml" in listed.stdout
-    copied = run_command([*cli, "cp", "llama_dpo/tiny", str(tmp_path)])
-    assert copied.returncode == 0 and (tmp_path / "tiny.yaml").read_text().startswith("# DPO with LoRA")
+    pgo = "parameter_gradient_optimizer_bytes"
+    assert plans["llama_dpo"][pgo] == plans["llama_lora"][pgo]  # no reference copy
+    cli.main(["ls"])
+    listed = capsys.readouterr().out
+    assert "llama_dpo" in listed and "llama_dpo/llama3_1_8b_qlora.yaml" in listed and "qwen_dpo" in listed
+    cli.main(["cp", "llama_dpo/tiny", str(tmp_path)])
+    assert (tmp_path / "tiny.yaml").read_text().startswith("# DPO with LoRA")
