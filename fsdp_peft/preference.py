@@ -23,8 +23,10 @@ from trl import DPOConfig, DPOTrainer
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
+from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import export_merged
 from fsdp_peft.generation import GenerationSettings, generate_completions
+from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.paths import resolve_model_path
@@ -65,8 +67,20 @@ def dpo_arguments(recipe: RecipeArguments) -> dict:
 
 
 def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
-    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys."""
-    return parse_recipe_config(argv, default_config, default_output_dir, DPOConfig, dpo_arguments)
+    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys.
+
+    FSDP1 is refused: TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own
+    forward (its fused, chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage
+    ... out of bounds for storage of size 0"); FSDP2 gathers the head's unit around the whole forward.
+    """
+    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, DPOConfig, dpo_arguments)
+    settings = fsdp_settings(training)
+    if settings is not None and settings.version == 1:
+        raise ConfigError(
+            "fsdp_version: 1: TRL's DPOTrainer reads the output head's weight outside its FSDP1 unit, where it is "
+            "not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+        )
+    return recipe, training
 
 
 @torch.no_grad()

@@ -294,3 +294,21 @@ def test_validate_plan_ls_and_cp_know_the_dpo_recipes(tmp_path, capsys):
     assert "llama_dpo" in listed and "llama_dpo/llama3_1_8b_qlora.yaml" in listed and "qwen_dpo" in listed
     cli.main(["cp", "llama_dpo/tiny", str(tmp_path)])
     assert (tmp_path / "tiny.yaml").read_text().startswith("# DPO with LoRA")
+
+
+def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
+    from fsdp_peft.preference import parse_preference_config
+
+    for key, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "1",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    }.items():
+        monkeypatch.setenv(key, value)
+    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+    with pytest.raises(ConfigError) as error:
+        parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
+    assert str(error.value).startswith("fsdp_version: 1: TRL's DPOTrainer reads the output head's weight outside")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    recipe, training = parse_preference_config(["--output_dir", str(tmp_path), "--beta", "0.2"], config, str(tmp_path))
+    assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
