@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import load_from_disk
 from transformers import TrainerCallback, set_seed
 from trl import DPOConfig, DPOTrainer
 
@@ -182,6 +183,21 @@ def _shared_start(text: str, answer: str) -> int:
     return next((i for i, (a, b) in enumerate(zip(text, answer)) if a != b), min(len(text), len(answer)))
 
 
+def shared_on_disk(dataset, training, name: str):
+    """``dataset`` saved by rank 0 under ``output_dir/.preference_data/<name>`` and read back by every rank.
+
+    TRL caches precomputed reference log-probs beside the dataset's files and every rank reads rank 0's
+    cache file; an in-memory dataset has none (each process would look in its own temporary directory).
+    """
+    if dataset is None:
+        return None
+    path = Path(training.output_dir) / ".preference_data" / name
+    with training.main_process_first(local=False, desc=f"{name} preference data"):
+        if training.process_index == 0:
+            dataset.save_to_disk(str(path))
+        return load_from_disk(str(path))
+
+
 class PreferenceBeforeTraining(TrainerCallback):
     """Held-out preference and greedy generation on the prepared (sharded) model, before the first step."""
 
@@ -216,6 +232,10 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe, training), recipe, training)
     train_data, eval_data, held_out = load_preference_data(recipe, tokenizer)
+    if recipe.precompute_ref_log_probs:
+        train_data, eval_data = (
+            shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))
+        )
     samples = held_out[: recipe.generate_samples]
     before = PreferenceBeforeTraining(tokenizer, samples, recipe)
     trainer = PreferenceTrainer(

@@ -149,17 +149,17 @@ def test_a_hub_preference_dataset_is_read_by_its_name_and_splits(monkeypatch, to
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """The 2-rank FSDP2 run (checkpoint at 3), one process with the same global batch, a resume from step 3,
-    and SFT's first step on the same model and adapter."""
+    """The 2-rank FSDP2 run (checkpoint at 3), one process with the same global batch, a resume from step 3
+    with precomputed reference log-probs, and SFT's first step on the same model and adapter."""
     two = tmp_path_factory.mktemp("dpo_two_ranks")
     launch_recipe("llama_dpo", "--output_dir", str(two), *COMMON, "--save_strategy", "steps", "--save_steps", "3")
     one = tmp_path_factory.mktemp("dpo_one_process")
     launch_recipe("llama_dpo", "--output_dir", str(one), *COMMON, "--per_device_train_batch_size", "32", processes=1)
     resumed = tmp_path_factory.mktemp("dpo_resumed")
     shutil.copytree(two / "checkpoint-3", resumed / "checkpoint-3")
-    launch_recipe(
-        "llama_dpo", "--output_dir", str(resumed), *COMMON, "--resume_from_checkpoint", str(resumed / "checkpoint-3")
-    )
+    resume = ["--resume_from_checkpoint", str(resumed / "checkpoint-3")]
+    # with the reference log-probs precomputed: the resumed steps must also equal those of the on-the-fly reference
+    launch_recipe("llama_dpo", "--output_dir", str(resumed), *COMMON, *resume, "--precompute_ref_log_probs", "true")
     sft = tmp_path_factory.mktemp("sft")
     launch_recipe("llama_lora", "--output_dir", str(sft), "--max_steps", "1", "--generate_samples", "0")
     return {"two": two, "one": one, "resumed": resumed, "sft": sft, "model": tiny_model_dir}
@@ -229,7 +229,7 @@ def test_reference_log_probs_are_the_unsharded_base_models_before_after_and_afte
 
 
 @pytest.mark.slow
-def test_resume_from_a_mid_run_checkpoint_repeats_the_uninterrupted_losses(runs):
+def test_resume_with_precomputed_reference_repeats_the_uninterrupted_losses(runs):
     want, got = logged_losses(runs["two"]), logged_losses(runs["resumed"])
     assert sorted(got) == list(range(1, STEPS + 1))  # steps 1-3 come with the checkpoint's trainer state
     for step in (4, 5):
