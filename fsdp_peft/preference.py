@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 from transformers import TrainerCallback, set_seed
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
@@ -34,14 +34,15 @@ from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.recipe import LOSS_CURVE_FILE, last_logged, parse_recipe_config, plot_loss_curve, resume_point
 from fsdp_peft.runs import start_run
 from fsdp_peft.trainer import PeftFsdpMixin, check_resumable
+from fsdp_peft.validation import KTO_LOSS_TYPES
 
 
-class PreferenceTrainer(PeftFsdpMixin, DPOTrainer):
-    """TRL's `DPOTrainer` with the recipes' FSDP behaviour; the reference is the adapter-disabled policy.
+class ReferenceWithoutCopy:
+    """For TRL's `DPOTrainer` and `KTOTrainer`: the reference is the adapter-disabled policy, adapters as built.
 
-    Two things of `DPOTrainer.__init__` are undone for a `PeftModel` built by `fsdp_peft.modeling`:
-    the frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter
-    is the same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
+    Two things their ``__init__`` does to a `PeftModel` built by `fsdp_peft.modeling` are undone: the
+    frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter is the
+    same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
     `attach_lora` chose, fp32 master weights as in SFT).
     """
 
@@ -56,15 +57,32 @@ class PreferenceTrainer(PeftFsdpMixin, DPOTrainer):
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
 
 
-def dpo_arguments(recipe: RecipeArguments) -> dict:
-    """The ``DPOConfig`` fields the recipe keys set."""
-    return {
+class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):
+    """TRL's `DPOTrainer` with the recipes' FSDP behaviour; the reference is the adapter-disabled policy."""
+
+
+class UnpairedPreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, KTOTrainer):
+    """TRL's `KTOTrainer` (``loss_type: kto``) with the recipes' FSDP behaviour, the same reference."""
+
+
+def is_unpaired(recipe: RecipeArguments) -> bool:
+    """KTO's losses train on rated completions, not pairs."""
+    return recipe.loss_type in KTO_LOSS_TYPES
+
+
+def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
+    """TRL's config class (``DPOConfig``, or ``KTOConfig`` for KTO) and the fields the recipe keys set."""
+    shared = {
         "beta": recipe.beta,
-        "loss_type": [recipe.loss_type],
         "precompute_ref_log_probs": recipe.precompute_ref_log_probs,
         "max_length": recipe.max_seq_length,
-        "truncation_mode": "keep_end" if recipe.truncation == "left" else "keep_start",
     }
+    if is_unpaired(recipe):
+        # KTO's KL estimate pairs each completion with its batch neighbours: TRL needs the data in order
+        sampling = "sequential" if recipe.loss_type == "kto" else "random"
+        return KTOConfig, {**shared, "loss_type": recipe.loss_type, "train_sampling_strategy": sampling}
+    truncation = "keep_end" if recipe.truncation == "left" else "keep_start"
+    return DPOConfig, {**shared, "loss_type": [recipe.loss_type], "truncation_mode": truncation}
 
 
 def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
@@ -74,12 +92,12 @@ def parse_preference_config(argv: list[str], default_config: Path, default_outpu
     forward (its fused, chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage
     ... out of bounds for storage of size 0"); FSDP2 gathers the head's unit around the whole forward.
     """
-    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, DPOConfig, dpo_arguments)
+    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
     settings = fsdp_settings(training)
     if settings is not None and settings.version == 1:
         raise ConfigError(
-            "fsdp_version: 1: TRL's DPOTrainer reads the output head's weight outside its FSDP1 unit, where it is "
-            "not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
+            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
         )
     return recipe, training
 
@@ -231,14 +249,15 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe, training), recipe, training)
-    train_data, eval_data, held_out = load_preference_data(recipe, tokenizer)
+    unpaired = is_unpaired(recipe)
+    train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
     if recipe.precompute_ref_log_probs:
         train_data, eval_data = (
             shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))
         )
-    samples = held_out[: recipe.generate_samples]
+    samples = [] if unpaired else held_out[: recipe.generate_samples]  # held-out scoring compares pairs
     before = PreferenceBeforeTraining(tokenizer, samples, recipe)
-    trainer = PreferenceTrainer(
+    trainer = (UnpairedPreferenceTrainer if unpaired else PreferenceTrainer)(
         model,
         args=training,
         train_dataset=train_data,
@@ -273,6 +292,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     results = {
         "recipe": name,
         "train_loss": train_output.training_loss,
+        "loss_name": "KTO" if unpaired else "DPO",
         "preference_before": before.metrics,
         "preference_after": after,
         "generation_before": before.generation,
@@ -298,7 +318,7 @@ def preference_summary(results: dict, output_dir: Path) -> str:
     lines = [
         f"{results['recipe']}: {results['steps']} steps, {results['train_seconds']:.1f} s training "
         f"({results['total_seconds']:.1f} s in all)",
-        f"DPO loss {results['train_loss']:.4f} (mean over the run){last}",
+        f"{results['loss_name']} loss {results['train_loss']:.4f} (mean over the run){last}",
     ]
     before, after = results["preference_before"], results["preference_after"]
     if after is not None:

@@ -55,14 +55,13 @@ def parse_recipe_config(
     argv: list[str],
     default_config: Path,
     default_output_dir: str,
-    arguments_class: type[TrainingArguments] = TrainingArguments,
-    extra_arguments: Callable[[RecipeArguments], dict] | None = None,
+    arguments_for: Callable[[RecipeArguments], tuple[type[TrainingArguments], dict]] | None = None,
 ) -> tuple[RecipeArguments, TrainingArguments]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments
-    (``arguments_class``, e.g. TRL's ``DPOConfig``, with the fields ``extra_arguments`` derives from the recipe)."""
+    (``TrainingArguments``, or the class and extra fields ``arguments_for`` picks for the recipe: TRL's configs)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     check_before_training(recipe_args, training_values)
-    extra = extra_arguments(recipe_args) if extra_arguments else {}
+    arguments_class, extra = arguments_for(recipe_args) if arguments_for else (TrainingArguments, {})
     training_args = build_training_arguments(training_values, options.config, arguments_class, **extra)
     if options.print_config:
         if ranks().is_main:

@@ -391,9 +391,12 @@ DPO_LOSS_TYPES = (  # trl 1.16 DPOConfig.loss_type
 )
 
 
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: unpaired rows
+
+
 def _preference_loss_is_known(recipe, training) -> str | None:
-    if recipe.loss_type not in DPO_LOSS_TYPES:
-        return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES)
+    if recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
+        return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
     return None
 
 

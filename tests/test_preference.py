@@ -213,6 +213,23 @@ def test_qlora_dpo_on_two_ranks_tracks_one_process_and_keeps_fp32_adapters(tmp_p
     assert not [p for p in layout["parameters"] if ".ref." in p["name"]]
 
 
+@pytest.mark.slow
+def test_kto_trains_on_the_pairs_split_into_rated_completions_with_the_same_reference(runs, tmp_path):
+    """``loss_type: kto``: TRL's KTOTrainer under the same mixin; each pair gives a desirable and an
+    undesirable completion. Its KL estimate pairs completions within a rank's batch, so it is not compared
+    with one process; what is checked is that it trains sharded, with the adapter as built and no copy."""
+    launch_recipe("llama_dpo", "--output_dir", str(tmp_path), *COMMON, "--loss_type", "kto")
+    losses, kl = logged_losses(tmp_path), _logged(tmp_path, "kl")
+    assert sorted(losses) == sorted(kl) == list(range(1, STEPS + 1)) and abs(losses[1] - 0.5) < 1e-6  # KTO at init
+    assert kl[1] == 0.0 and kl[STEPS] > 0  # policy = reference at the start, then they part
+    layout = read_json(tmp_path / "fsdp_layout.json")
+    assert layout["world_size"] == 2 and not [p for p in layout["parameters"] if ".ref." in p["name"]]
+    kto, dpo = read_json(tmp_path / "memory.json"), read_json(runs["two"] / "memory.json")
+    key = "parameter_gradient_optimizer_bytes"
+    assert [r[key] for r in kto["ranks"]] == [r[key] for r in dpo["ranks"]]
+    assert read_json(tmp_path / "results.json")["loss_name"] == "KTO"
+
+
 def _plain_log_probs(model_dir, tokenizer_texts):
     """Summed log-probs of each completion after its prompt, by the base model alone (no peft, no FSDP)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -332,7 +349,9 @@ def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     with pytest.raises(ConfigError) as error:
         parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
-    assert str(error.value).startswith("fsdp_version: 1: TRL's DPOTrainer reads the output head's weight outside")
+    assert str(error.value).startswith(
+        "fsdp_version: 1: TRL's preference trainers read the output head's weight outside"
+    )
     monkeypatch.setenv("FSDP_VERSION", "2")
     recipe, training = parse_preference_config(["--output_dir", str(tmp_path), "--beta", "0.2"], config, str(tmp_path))
     assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)

@@ -155,10 +155,10 @@ def read_preference_source(
         if "__json__" in table.column_names:
             columns = {key for text in table["__json__"][:100] for key in _keys(text)}
         data_format = detect_preference_format(columns, where)
-        if data_format != ("unpaired" if unpaired else "pairs"):
-            wanted = "completion/label rows (KTO)" if unpaired else "prompt/chosen/rejected pairs"
+        if data_format == "unpaired" and not unpaired:
             raise ConfigError(
-                f"{where}: holds {data_format} preference rows; loss_type {recipe.loss_type} needs {wanted}"
+                f"{where}: holds unpaired completion/label rows; loss_type {recipe.loss_type} needs "
+                "prompt/chosen/rejected pairs; set loss_type: kto to train on these rows"
             )
         for raw in table:
             try:
@@ -170,9 +170,15 @@ def read_preference_source(
                     raise ConfigError(bad.message(where, raw["__row__"])) from None
                 dropped[bad.reason] += 1
                 continue
-            if unpaired:
-                rendered["label"] = example.label
-            rows.append(rendered)
+            if data_format == "unpaired":
+                rows.append({**rendered, "label": example.label})
+            elif unpaired:  # KTO on pairs: chosen is a desirable completion, rejected an undesirable one
+                rows += [
+                    {"prompt": rendered["prompt"], "completion": rendered[key], "label": key == "chosen"}
+                    for key in ("chosen", "rejected")
+                ]
+            else:
+                rows.append(rendered)
             examples.append(example)
     if not rows:
         raise ConfigError(f"{source}: no row left to train on ({describe_dropped(dropped)} dropped); fix the data")
