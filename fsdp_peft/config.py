@@ -105,6 +105,19 @@ class RecipeArguments:
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )
+    beta: float = field(
+        default=0.1, metadata={"help": "preference recipes: strength of the pull towards the reference model"}
+    )
+    loss_type: str = field(default="sigmoid", metadata={"help": "preference recipes: TRL's DPO loss (sigmoid = DPO)"})
+    precompute_ref_log_probs: bool = field(
+        default=False, metadata={"help": "preference recipes: reference log-probs computed once before training"}
+    )
+    ref_model: str | None = field(
+        default=None, metadata={"help": "preference recipes: a separate reference model (not with LoRA: refused)"}
+    )
+
+
+PREFERENCE_KEYS = ("beta", "loss_type", "precompute_ref_log_probs", "ref_model")  # a config that sets one is DPO's
 
 
 class _Parser(HfArgumentParser):
@@ -200,10 +213,13 @@ def resolve_recipe_config(
     return recipe_args, training_values, options
 
 
-def build_training_arguments(training_values: dict, source: Path) -> TrainingArguments:
-    """``TrainingArguments`` from resolved values; its own refusals become `ConfigError`s naming ``source``."""
+def build_training_arguments(
+    training_values: dict, source: Path, arguments_class: type[TrainingArguments] = TrainingArguments, **extra
+) -> TrainingArguments:
+    """``TrainingArguments`` (or a subclass such as TRL's ``DPOConfig``, given its ``extra`` fields) from
+    resolved values; its own refusals become `ConfigError`s naming ``source``."""
     try:
-        return TrainingArguments(**{**training_values, **trainer_fsdp_arguments(training_values)})
+        return arguments_class(**{**training_values, **trainer_fsdp_arguments(training_values), **extra})
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
 

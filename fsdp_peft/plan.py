@@ -26,7 +26,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_peft.config import resolve_recipe_config
+from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
@@ -280,6 +280,13 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
+    if set(PREFERENCE_KEYS) & read_yaml_config(Path(config_path)).keys():  # DPO: a pair is chosen + rejected
+        tokens *= 2
+        notes.append(
+            "preference (DPO): each pair is 2 sequences (chosen + rejected), counted in the tokens per rank; "
+            "the reference pass (same model, adapter disabled, no grad) runs before the policy's forward and "
+            "keeps nothing for backward; no second copy of the base"
+        )
     xla = xla_plan(trainer_fsdp_arguments(training).get("fsdp_config"), ranks, tokens)
     if xla is not None:  # TPU chips as ranks: fsdp_peft.xla
         fsdp, xla_checkpointing, tokens = xla

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import TrainingArguments, set_seed
@@ -36,26 +37,34 @@ from fsdp_peft.xla import start_xla_runtime
 
 
 @exits_cleanly_on_user_error
-def run_recipe(name: str, default_config: Path, argv: list[str] | None = None) -> dict | None:
-    """Run recipe ``name``; returns the results dict on rank 0 (``None`` on other ranks)."""
+def run_recipe(
+    name: str, default_config: Path, argv: list[str] | None = None, procedure: Callable | None = None
+) -> dict | None:
+    """Run recipe ``name`` (SFT, or ``procedure``, e.g. `fsdp_peft.preference.run_preference`); returns the
+    results dict on rank 0 (``None`` on other ranks)."""
     die_with_the_launcher()
     atexit.register(release_process_group)  # accelerate creates the group; it goes before the interpreter does
     check_upstream()
     try:
-        return _run_recipe(name, default_config, argv)
+        return (procedure or _run_recipe)(name, default_config, argv)
     finally:
         release_output_dir()
         release_process_group()
 
 
 def parse_recipe_config(
-    argv: list[str], default_config: Path, default_output_dir: str
+    argv: list[str],
+    default_config: Path,
+    default_output_dir: str,
+    arguments_for: Callable[[RecipeArguments], tuple[type[TrainingArguments], dict]] | None = None,
 ) -> tuple[RecipeArguments, TrainingArguments]:
-    """Resolve defaults, YAML and command-line overrides into the recipe and training arguments."""
+    """Resolve defaults, YAML and command-line overrides into the recipe and training arguments
+    (``TrainingArguments``, or the class and extra fields ``arguments_for`` picks for the recipe: TRL's configs)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     check_before_training(recipe_args, training_values)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
-    training_args = build_training_arguments(training_values, options.config)
+    arguments_class, extra = arguments_for(recipe_args) if arguments_for else (TrainingArguments, {})
+    training_args = build_training_arguments(training_values, options.config, arguments_class, **extra)
     if options.print_config:
         if ranks().is_main:
             print(resolved_config_yaml(recipe_args, training_values, options.config), end="")

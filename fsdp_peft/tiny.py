@@ -41,6 +41,9 @@ TINY_MODEL_NAME = "tiny-llama"
 TINY_DATASET_NAME = "tiny-reverse"
 TINY_MODEL_ASSETS = ASSETS / "tiny_llama"
 TINY_DATASET_DIR = ASSETS / "tiny_reverse"
+TINY_PREFERENCE_NAME = "tiny-preference"
+TINY_PREFERENCE_DIR = ASSETS / "tiny_preference"
+PREFERENCE_DATA_SEED = 11
 WEIGHTS_SEED = 1234
 DATA_SEED = 7
 WORD_LENGTH = 5
@@ -150,6 +153,16 @@ def make_reverse_rows(count: int, rng: random.Random, exclude: set[str]) -> list
     return rows
 
 
+def make_preference_rows(count: int, rng: random.Random, exclude: set[str]) -> list[dict]:
+    """Preference pairs for reversal: chosen is the reversed word, rejected the plausible mistake of copying it."""
+    rows = []
+    while len(rows) < count:
+        (row,) = make_reverse_rows(1, rng, exclude)
+        if row["completion"] != row["completion"][::-1]:  # a palindrome has no wrong copy
+            rows.append({"prompt": row["prompt"], "chosen": row["completion"], "rejected": row["completion"][::-1]})
+    return rows
+
+
 def write_assets(assets: Path = ASSETS) -> None:
     """Write the shipped tokenizer, config and dataset; deterministic, so reruns give identical files."""
     tokenizer = build_tokenizer()
@@ -164,6 +177,15 @@ def write_assets(assets: Path = ASSETS) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
         rows = make_reverse_rows(count, rng, seen)
+        with open(data_dir / f"{split}.jsonl", "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+
+    rng = random.Random(PREFERENCE_DATA_SEED)
+    seen = set()
+    data_dir = assets / "tiny_preference"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
+        rows = make_preference_rows(count, rng, seen)
         with open(data_dir / f"{split}.jsonl", "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
 

@@ -42,8 +42,12 @@ from fsdp_peft.xla import (
 )
 
 
-class PeftFsdpTrainer(Trainer):
-    """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
+class PeftFsdpMixin:
+    """FSDP settings for PEFT, real FSDP in the CPU mode, complete checkpoints and adapter saving.
+
+    Mixed in before `transformers.Trainer` or a trainer built on it (TRL's `DPOTrainer`): the recipes'
+    trainers share this one behaviour (`PeftFsdpTrainer`, `fsdp_peft.preference.PreferenceTrainer`).
+    """
 
     def __init__(
         self,
@@ -178,6 +182,10 @@ class PeftFsdpTrainer(Trainer):
         if dist.is_initialized():
             dist.barrier()
         return directory
+
+
+class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
+    """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
 
 
 LAYOUT_FILE = "fsdp_peft_layout.json"

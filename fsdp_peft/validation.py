@@ -30,6 +30,7 @@ from fsdp_peft.launch import (
     launcher_asks_for_fsdp,
     ranks,
 )
+from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
@@ -379,6 +380,53 @@ def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
     return None
 
 
+DPO_LOSS_TYPES = (  # trl 1.16 DPOConfig.loss_type
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: unpaired rows
+
+
+def _preference_loss_is_known(recipe, training) -> str | None:
+    if recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
+        return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
+    return None
+
+
+def _reference_is_the_adapter_disabled_model(recipe, training) -> str | None:
+    if recipe.ref_model:
+        return (
+            f"ref_model: {recipe.ref_model} would hold a second model beside the LoRA policy; remove it: the reference "
+            "is the same sharded model with its adapter disabled (no second copy)"
+        )
+    return None
+
+
+def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
+    if recipe.precompute_ref_log_probs and low_memory_loading_requested(training):
+        return (
+            "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
+            "cpu_ram_efficient_loading only rank 0 has weights then; set cpu_ram_efficient_loading: false or "
+            "precompute_ref_log_probs: false"
+        )
+    return None
+
+
 def _xla_route_can_run(recipe, training) -> str | None:
     """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only, one process, torch_xla installed."""
     if not on_xla():
@@ -403,7 +451,7 @@ def _xla_route_can_run(recipe, training) -> str | None:
     if not torch_xla_installed():
         return (
             f"{device}: set, but torch_xla is not installed in this environment; use the TPU environment "
-            "(pip install -e '.[tpu]', docs/tpu.md) or unset PJRT_DEVICE"
+            "(requirements-tpu.txt, docs/tpu.md) or unset PJRT_DEVICE"
         )
     return None
 
@@ -431,6 +479,9 @@ RULES: list[Callable] = [
     _cpu_mode_cannot_load_on_rank_0_only,
     _checkpoints_are_finished_by_one_rank,
     _parallelism_config_fills_the_launch,
+    _preference_loss_is_known,
+    _reference_is_the_adapter_disabled_model,
+    _precomputed_reference_sees_the_weights,
     _xla_route_can_run,
 ]
 

@@ -24,6 +24,7 @@ RECIPE_CONFIGS = sorted(
     p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "accelerate" and not p.name.startswith("tpu_")
 )
 REAL_CONFIGS = [p for p in RECIPE_CONFIGS if p.name != "tiny.yaml"]
+SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith("_dpo")]  # DPO: tests/test_preference.py
 GPU_ACCELERATE_CONFIGS = ["fsdp2.yaml", "fsdp2_offload.yaml", "fsdp1.yaml"]
 ROW_TOKENS = 24  # every tiny-reverse row: bos, <|user|>, "reverse: abcde", eos, <|assistant|>, 5 letters, eos
 REQUIRED_REAL = {
@@ -45,7 +46,8 @@ def _family_prefix(recipe: str) -> str:
 
 def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_path):
     recipes = sorted(p.stem for p in RECIPES.glob("*.py"))
-    assert recipes == [f"{f}_{k}" for f in ("llama", "mistral", "qwen") for k in ("lora", "qlora")]
+    sft = [f"{f}_{k}" for f in ("llama", "mistral", "qwen") for k in ("lora", "qlora")]
+    assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo"])
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
@@ -175,7 +177,7 @@ LOCAL_DATA = ["--dataset", "tiny-reverse", "--data_format", "auto", "--eval_spli
 
 
 def test_real_configs_name_a_public_dataset_in_the_format_they_set():
-    for config in REAL_CONFIGS:
+    for config in SFT_REAL_CONFIGS:
         values = read_yaml_config(config)
         assert "/" in values["dataset"] and values["dataset"] != "tiny-reverse", config
         assert values["data_format"] in ("messages", "sharegpt", "instruction"), config
@@ -189,7 +191,7 @@ def _tiny_for(config: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", REAL_CONFIGS, ids=_name)
+@pytest.mark.parametrize("config", SFT_REAL_CONFIGS, ids=_name)
 def test_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_path):
     recipe, values = config.parent.name, read_yaml_config(config)
     tiny_name = _tiny_for(config)

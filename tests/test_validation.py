@@ -12,6 +12,7 @@ from fsdp_peft.validation import RULES
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
+DPO_TINY = REPO / "configs" / "llama_dpo" / "tiny.yaml"
 ACCELERATE_FSDP2 = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
@@ -140,6 +141,25 @@ CASES = {
         {**ACCELERATE_FSDP1, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
         [],
         "cpu_ram_efficient_loading needs FSDP1's sync_module_states",
+    ),
+    "_preference_loss_is_known": (
+        DPO_TINY,
+        {},
+        ["--loss_type", "dpo"],
+        "loss_type: 'dpo' is not one of sigmoid, hinge, ipo,",
+    ),
+    "_reference_is_the_adapter_disabled_model": (
+        DPO_TINY,
+        {},
+        ["--ref_model", "meta-llama/Llama-3.1-8B-Instruct"],
+        "ref_model: meta-llama/Llama-3.1-8B-Instruct would hold a second model beside the LoRA policy; remove it",
+    ),
+    "_precomputed_reference_sees_the_weights": (
+        DPO_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "WORLD_SIZE": "2"},
+        ["--precompute_ref_log_probs", "true"],
+        "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
+        "cpu_ram_efficient_loading only rank 0 has weights then",
     ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,

@@ -22,6 +22,9 @@ One module per step, in the order data flows:
 - `fsdp_peft.data.tokenize`: token ids and labels (-100 off the trained pieces), truncation, whole sources
 - `fsdp_peft.data.packing`: examples packed into rows, their collator, and the model check that packing is safe
 - `fsdp_peft.data.cache`: tokenized once per node, cached, and loaded (`load_data`)
+
+Preference rows (DPO pairs, KTO's rated completions) are `fsdp_peft.data.preference`: the same sources
+and bad-row rules, rendered as text for TRL, which tokenizes them itself.
 """
 
 from fsdp_peft.data.cache import load_data

@@ -19,10 +19,11 @@ from datasets import Dataset
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_DATASET_NAME
+from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_DATASET_NAME, TINY_PREFERENCE_DIR, TINY_PREFERENCE_NAME
 
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_NAMES = ("eval", "validation")
+EMBEDDED_DATASETS = {TINY_DATASET_NAME: TINY_DATASET_DIR, TINY_PREFERENCE_NAME: TINY_PREFERENCE_DIR}
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ def data_sources(recipe: RecipeArguments) -> tuple[Source, Source | None]:
     if recipe.train_file:
         return Source(tuple(data_files_in(Path(recipe.train_file).expanduser()))), eval_source
     dataset = recipe.dataset
-    if dataset == TINY_DATASET_NAME or is_local_path(dataset):
-        path = TINY_DATASET_DIR if dataset == TINY_DATASET_NAME else Path(dataset).expanduser()
+    if dataset in EMBEDDED_DATASETS or is_local_path(dataset):
+        path = EMBEDDED_DATASETS[dataset] if dataset in EMBEDDED_DATASETS else Path(dataset).expanduser()
         if path.is_file():
             return Source((path,)), eval_source
         train = _split_in_directory(path, ("train",))

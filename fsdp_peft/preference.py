@@ -1,0 +1,351 @@
+"""Preference tuning (DPO) through TRL's `DPOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
+
+parse config → tokenizer and model → adapters → preference data → trainer → held-out preference before →
+train → save adapter → held-out preference after → greedy generation → report. Checkpoints, resume,
+adapter saving and the CPU FSDP mode are `fsdp_peft.trainer.PeftFsdpMixin`'s, shared with SFT.
+
+The reference model is the policy itself with its adapter disabled: the same sharded base, no second
+copy (TRL would add a frozen "ref" copy of an adapter it did not create; `PreferenceTrainer` removes
+it). With ``precompute_ref_log_probs`` the reference log-probs are computed once, before training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from datasets import load_from_disk
+from transformers import TrainerCallback, set_seed
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+
+from fsdp_peft.config import RecipeArguments
+from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.export import export_merged
+from fsdp_peft.generation import GenerationSettings, generate_completions
+from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.log import configure_for_training, logger
+from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.recipe import LOSS_CURVE_FILE, last_logged, parse_recipe_config, plot_loss_curve, resume_point
+from fsdp_peft.runs import start_run
+from fsdp_peft.trainer import PeftFsdpMixin, check_resumable
+from fsdp_peft.validation import KTO_LOSS_TYPES
+
+
+class ReferenceWithoutCopy:
+    """For TRL's `DPOTrainer` and `KTOTrainer`: the reference is the adapter-disabled policy, adapters as built.
+
+    Two things their ``__init__`` does to a `PeftModel` built by `fsdp_peft.modeling` are undone: the
+    frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter is the
+    same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
+    `attach_lora` chose, fp32 master weights as in SFT).
+    """
+
+    def __init__(self, model, *args, **kwargs):
+        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+        super().__init__(model, *args, **kwargs)
+        if "ref" in self.model.peft_config:
+            self.model.delete_adapter("ref")
+        for name, parameter in self.model.named_parameters():
+            if name in dtypes and parameter.dtype != dtypes[name]:
+                parameter.data = parameter.data.to(dtypes[name])
+        self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):
+    """TRL's `DPOTrainer` with the recipes' FSDP behaviour; the reference is the adapter-disabled policy."""
+
+
+class UnpairedPreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, KTOTrainer):
+    """TRL's `KTOTrainer` (``loss_type: kto``) with the recipes' FSDP behaviour, the same reference."""
+
+
+def is_unpaired(recipe: RecipeArguments) -> bool:
+    """KTO's losses train on rated completions, not pairs."""
+    return recipe.loss_type in KTO_LOSS_TYPES
+
+
+def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
+    """TRL's config class (``DPOConfig``, or ``KTOConfig`` for KTO) and the fields the recipe keys set."""
+    shared = {
+        "beta": recipe.beta,
+        "precompute_ref_log_probs": recipe.precompute_ref_log_probs,
+        "max_length": recipe.max_seq_length,
+    }
+    if is_unpaired(recipe):
+        # KTO's KL estimate pairs each completion with its batch neighbours: TRL needs the data in order
+        sampling = "sequential" if recipe.loss_type == "kto" else "random"
+        return KTOConfig, {**shared, "loss_type": recipe.loss_type, "train_sampling_strategy": sampling}
+    truncation = "keep_end" if recipe.truncation == "left" else "keep_start"
+    return DPOConfig, {**shared, "loss_type": [recipe.loss_type], "truncation_mode": truncation}
+
+
+def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
+    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys.
+
+    FSDP1 is refused: TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own
+    forward (its fused, chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage
+    ... out of bounds for storage of size 0"); FSDP2 gathers the head's unit around the whole forward.
+    """
+    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
+    settings = fsdp_settings(training)
+    if settings is not None and settings.version == 1:
+        raise ConfigError(
+            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
+            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+        )
+    return recipe, training
+
+
+@torch.no_grad()
+def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int, pairs_path: Path | None = None) -> dict | None:
+    """Per held-out pair: policy and reference log-probs of chosen and rejected, and the implicit rewards.
+
+    With ``pairs_path``, rank 0 writes them, one JSON line per pair (``[chosen, rejected]`` each).
+
+    Returns means and accuracies: ``reward_accuracy`` (chosen reward above rejected; a tie, as when the
+    policy still equals the reference, counts half), ``margin``, ``logp_chosen``/``logp_rejected`` (policy)
+    and ``logp_accuracy`` (the policy gives chosen the higher log-prob). Every rank runs every batch
+    (FSDP forwards are collective) and gets the same numbers.
+    """
+    if dataset is None or len(dataset) == 0:
+        return None
+    model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model
+    was_training = model.training
+    model.eval()
+    device = trainer.accelerator.device
+    columns = [c for c in ("prompt_ids", "chosen_ids", "rejected_ids") if c in dataset.column_names]
+    rows = dataset.select_columns(columns)
+    policy, reference = [], []
+    try:
+        for start in range(0, len(rows), batch_size):
+            batch = trainer.data_collator([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+            batch = {key: value.to(device) for key, value in batch.items()}
+            reference.append(torch.stack(trainer.compute_ref_log_probs(model, batch), dim=1).float().cpu())
+            policy.append(torch.stack(policy_log_probs(trainer, model, batch), dim=1).float().cpu())
+    finally:
+        model.train(was_training)
+    policy, reference = torch.cat(policy), torch.cat(reference)
+    rewards = trainer.beta * (policy - reference)
+    margin = rewards[:, 0] - rewards[:, 1]
+    if pairs_path is not None and trainer.is_world_process_zero():
+        rows = [{"policy": p, "reference": r} for p, r in zip(policy.tolist(), reference.tolist())]
+        pairs_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "pairs": len(rows),
+        "reward_accuracy": ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item(),
+        "margin": margin.mean().item(),
+        "logp_chosen": policy[:, 0].mean().item(),
+        "logp_rejected": policy[:, 1].mean().item(),
+        "logp_accuracy": (policy[:, 0] > policy[:, 1]).float().mean().item(),
+        "ref_logp_chosen": reference[:, 0].mean().item(),
+        "ref_logp_rejected": reference[:, 1].mean().item(),
+    }
+
+
+def held_out_pairs(dataset, count: int):
+    """The first ``count`` held-out pairs (``generate_samples``), the ones generation completes too."""
+    if dataset is None or count == 0:
+        return None
+    return dataset.select(range(min(count, len(dataset))))
+
+
+def policy_log_probs(trainer: DPOTrainer, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the chosen and rejected completions under the policy (adapter on), as TRL sums them."""
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    inputs = {k: v for k, v in batch.items() if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
+    with trainer.accelerator.autocast():
+        per_token = model(**inputs, use_cache=False, labels=labels, fused_lm_head=True).log_probs
+    per_token = per_token[:, -(batch["completion_mask"].size(1) - 1) :]
+    return per_token.sum(dim=1).chunk(2, dim=0)
+
+
+def generation_preference(
+    model, tokenizer, examples: list[PreferenceExample], recipe: RecipeArguments, device, samples_path: Path | None
+) -> dict | None:
+    """Greedy completions of the held-out prompts, each compared with both answers (rank 0; ``None`` elsewhere).
+
+    A completion prefers the answer it shares the longer beginning with (characters); ``chosen``,
+    ``rejected`` and ``exact_chosen`` are fractions of the prompts.
+    """
+    if not examples:
+        return None
+    prompts = [render_pair(example, tokenizer, recipe)["prompt"] for example in examples]
+    completions = generate_completions(model, tokenizer, prompts, GenerationSettings.from_recipe(recipe), device)
+    if completions is None:
+        return None
+    chosen = rejected = exact = 0
+    rows = []
+    for example, completion in zip(examples, completions):
+        text = completion.strip()
+        to_chosen, to_rejected = _shared_start(text, example.chosen), _shared_start(text, example.rejected)
+        chosen += to_chosen > to_rejected
+        rejected += to_rejected > to_chosen
+        exact += text == example.chosen.strip()
+        rows.append(
+            {"prompt": example.prompt, "chosen": example.chosen, "rejected": example.rejected, "generated": text}
+        )
+    if samples_path is not None:
+        samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    count = len(examples)
+    return {"prompts": count, "chosen": chosen / count, "rejected": rejected / count, "exact_chosen": exact / count}
+
+
+def _shared_start(text: str, answer: str) -> int:
+    answer = answer.strip()
+    return next((i for i, (a, b) in enumerate(zip(text, answer)) if a != b), min(len(text), len(answer)))
+
+
+def shared_on_disk(dataset, training, name: str):
+    """``dataset`` saved by rank 0 under ``output_dir/.preference_data/<name>`` and read back by every rank.
+
+    TRL caches precomputed reference log-probs beside the dataset's files and every rank reads rank 0's
+    cache file; an in-memory dataset has none (each process would look in its own temporary directory).
+    """
+    if dataset is None:
+        return None
+    path = Path(training.output_dir) / ".preference_data" / name
+    with training.main_process_first(local=False, desc=f"{name} preference data"):
+        if training.process_index == 0:
+            dataset.save_to_disk(str(path))
+        return load_from_disk(str(path))
+
+
+class PreferenceBeforeTraining(TrainerCallback):
+    """Held-out preference and greedy generation on the prepared (sharded) model, before the first step."""
+
+    def __init__(self, tokenizer, examples: list[PreferenceExample], recipe: RecipeArguments):
+        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
+        self.trainer: PreferenceTrainer | None = None
+        self.metrics: dict | None = None
+        self.generation: dict | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.trainer is None or state.global_step != 0:
+            return  # a resumed run is not scored again
+        pairs = held_out_pairs(self.trainer.eval_dataset, len(self.examples))
+        path = Path(args.output_dir) / "held_out_before.jsonl"
+        self.metrics = held_out_preference(self.trainer, pairs, args.per_device_eval_batch_size, path)
+        self.generation = generation_preference(model, self.tokenizer, self.examples, self.recipe, args.device, None)
+
+
+def run_preference(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
+    """The DPO procedure of `fsdp_peft.recipe.run_recipe`; returns the results dict on rank 0."""
+    started = time.monotonic()
+    recipe, training = parse_preference_config(
+        sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}"
+    )
+    configure_for_training(training)
+    run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
+    checkpoint = resume_point(training)
+    if checkpoint is not None:
+        check_resumable(Path(checkpoint), training, run.run_id)
+        logger.info(f"resuming from {checkpoint}")
+    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
+    tokenizer = load_tokenizer(recipe)
+    model = attach_lora(load_base_model(recipe, training), recipe, training)
+    unpaired = is_unpaired(recipe)
+    train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
+    if recipe.precompute_ref_log_probs:
+        train_data, eval_data = (
+            shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))
+        )
+    samples = [] if unpaired else held_out[: recipe.generate_samples]  # held-out scoring compares pairs
+    before = PreferenceBeforeTraining(tokenizer, samples, recipe)
+    trainer = (UnpairedPreferenceTrainer if unpaired else PreferenceTrainer)(
+        model,
+        args=training,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        processing_class=tokenizer,
+        fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
+        callbacks=[before],
+        recipe_config=dataclasses.asdict(recipe),
+        run_id=run.run_id,
+    )
+    before.trainer = trainer
+
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    output_dir = Path(training.output_dir)
+    adapter_dir = trainer.save_adapter(output_dir / "adapter")
+    trainer.save_state()
+    pairs = held_out_pairs(trainer.eval_dataset, len(samples))
+    after = held_out_preference(
+        trainer, pairs, training.per_device_eval_batch_size, output_dir / "held_out_after.jsonl"
+    )
+    samples_path = output_dir / "samples.jsonl"
+    generation_after = generation_preference(
+        trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path
+    )
+    merged_dir = output_dir / "merged"
+    if recipe.export_merged and trainer.is_world_process_zero():
+        base = resolve_model_path(recipe.model_name_or_path)
+        export_merged(adapter_dir, merged_dir, base=base, dtype=recipe.export_dtype, overwrite=True, progress=False)
+    trainer.accelerator.wait_for_everyone()
+    if not trainer.is_world_process_zero():
+        return None
+    results = {
+        "recipe": name,
+        "train_loss": train_output.training_loss,
+        "loss_name": "KTO" if unpaired else "DPO",
+        "preference_before": before.metrics,
+        "preference_after": after,
+        "generation_before": before.generation,
+        "generation_after": generation_after,
+        "adapter_dir": str(adapter_dir),
+        "fsdp": trainer.is_fsdp_enabled,
+        "merged_dir": str(merged_dir) if recipe.export_merged else None,
+        "steps": trainer.state.global_step,
+        "train_seconds": train_output.metrics["train_runtime"],
+        "total_seconds": time.monotonic() - started,
+        "last_train_loss": last_logged(trainer.state.log_history, "loss"),
+        "loss_curve": plot_loss_curve(trainer.state.log_history, output_dir / LOSS_CURVE_FILE),
+    }
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+    for line in preference_summary(results, output_dir).splitlines():
+        logger.info(line)
+    return results
+
+
+def preference_summary(results: dict, output_dir: Path) -> str:
+    """The lines a user reads at the end of a preference run."""
+    last = "" if results["last_train_loss"] is None else f", last logged {results['last_train_loss']:.4f}"
+    lines = [
+        f"{results['recipe']}: {results['steps']} steps, {results['train_seconds']:.1f} s training "
+        f"({results['total_seconds']:.1f} s in all)",
+        f"{results['loss_name']} loss {results['train_loss']:.4f} (mean over the run){last}",
+    ]
+    before, after = results["preference_before"], results["preference_after"]
+    if after is not None:
+        lines.append(f"held-out pairs: {after['pairs']} (reward = beta x (policy - reference log-prob))")
+        for key, label in (
+            ("reward_accuracy", "reward accuracy (chosen reward higher; ties half)"),
+            ("margin", "reward margin (chosen - rejected)"),
+            ("logp_chosen", "log-prob of chosen"),
+            ("logp_rejected", "log-prob of rejected"),
+        ):
+            shown = "n/a (resumed)" if before is None else f"{before[key]:.3f}"
+            lines.append(f"  {label}: before {shown}, after {after[key]:.3f}")
+    gen_before, gen_after = results["generation_before"], results["generation_after"]
+    if gen_after is not None:
+        shown = "n/a (resumed)" if gen_before is None else _generation_text(gen_before)
+        lines.append(f"greedy generation on {gen_after['prompts']} held-out prompts, closer to chosen/rejected:")
+        lines.append(f"  before {shown}; after {_generation_text(gen_after)}")
+        lines.append(f"samples: {output_dir / 'samples.jsonl'}")
+    lines.append(f"adapter: {results['adapter_dir']}")
+    if results["merged_dir"]:
+        lines.append(f"merged full weights: {results['merged_dir']}")
+    lines.append(f"loss curve: {results['loss_curve'] or 'not drawn (no loss was logged: lower logging_steps)'}")
+    lines.append(f"results: {output_dir / 'results.json'}")
+    return "\n".join(lines)
+
+
+def _generation_text(generation: dict) -> str:
+    return (
+        f"{generation['chosen']:.3f} / {generation['rejected']:.3f} (exactly chosen {generation['exact_chosen']:.3f})"
+    )
