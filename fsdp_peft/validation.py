@@ -428,7 +428,7 @@ def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
 
 
 def _xla_route_can_run(recipe, training) -> str | None:
-    """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only, one process, torch_xla installed."""
+    """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only (no accelerate FSDP), torch_xla installed."""
     if not on_xla():
         return None
     device = f"PJRT_DEVICE={os.environ[DEVICE_VARIABLE]}"
