@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from fsdp_peft.recipe import LOSS_CURVE_FILE, last_logged, parse_recipe_config, 
 from fsdp_peft.runs import start_run
 from fsdp_peft.trainer import PeftFsdpMixin, check_resumable
 from fsdp_peft.validation import KTO_LOSS_TYPES
+from fsdp_peft.xla import DEVICE_VARIABLE, on_xla
 
 
 class ReferenceWithoutCopy:
@@ -91,7 +93,13 @@ def parse_preference_config(argv: list[str], default_config: Path, default_outpu
     FSDP1 is refused: TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own
     forward (its fused, chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage
     ... out of bounds for storage of size 0"); FSDP2 gathers the head's unit around the whole forward.
+    XLA is refused: the TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only.
     """
+    if on_xla():
+        raise ConfigError(
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
+            "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
+        )
     recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
     settings = fsdp_settings(training)
     if settings is not None and settings.version == 1:

@@ -355,3 +355,12 @@ def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("FSDP_VERSION", "2")
     recipe, training = parse_preference_config(["--output_dir", str(tmp_path), "--beta", "0.2"], config, str(tmp_path))
     assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
+
+
+def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
+    from fsdp_peft.preference import parse_preference_config
+
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"^PJRT_DEVICE=TPU: the preference recipes do not run on XLA"):
+        parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
