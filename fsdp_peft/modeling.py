@@ -23,6 +23,7 @@ from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_to
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.validation import mixed_precision_dtype
+from fsdp_peft.variants import lora_config_arguments
 
 
 def local_device() -> torch.device:
@@ -101,6 +102,7 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
         lora_dropout=recipe.lora_dropout,
         target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
+        **lora_config_arguments(recipe),
     )
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same

@@ -27,6 +27,7 @@ from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
+from fsdp_peft.variants import VARIANT_RULES
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -394,6 +395,7 @@ RULES: list[Callable] = [
     _cpu_mode_cannot_load_on_rank_0_only,
     _checkpoints_are_finished_by_one_rank,
     _parallelism_config_fills_the_launch,
+    *VARIANT_RULES,
 ]
 
 
