@@ -54,7 +54,7 @@ from fsdp_peft.safetensors_io import (
     read_header,
     read_tensors,
 )
-from fsdp_peft.variants import WeightUpdate, adapter_updates
+from fsdp_peft.variants import WeightUpdate, adapter_updates, init_reads_base_weights
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
@@ -112,6 +112,11 @@ def _check_adapter_config(config: dict, origin: Path) -> None:
         raise ConfigError(f"{origin}: adapter type {config.get('peft_type')} cannot be merged; only LoRA")
     if config.get("fan_in_fan_out") or config.get("bias", "none") != "none":
         raise ConfigError(f"{origin}: fan_in_fan_out and trained biases are not supported by export yet")
+    if init_reads_base_weights(str(config.get("init_lora_weights", True))):
+        raise ConfigError(
+            f"{origin}: a {config['init_lora_weights']} adapter as trained (a checkpoint) belongs to a changed base; "
+            "export the run's final adapter/, which is converted onto the original base"
+        )
     for key in UNSUPPORTED_ADAPTER_KEYS:
         if config.get(key):
             raise ConfigError(f"{origin}: adapter_config '{key}' is not supported by export yet")

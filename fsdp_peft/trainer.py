@@ -33,7 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
-from fsdp_peft.variants import peft_adapter_tensors
+from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 
 
 class PeftFsdpTrainer(Trainer):
@@ -148,6 +148,7 @@ class PeftFsdpTrainer(Trainer):
             with publish_directory(directory, replace=True) as staging:
                 write_adapter(self.accelerator.unwrap_model(self.model), state_dict, staging)
                 write_adapter_metadata(self.accelerator.unwrap_model(self.model), self.recipe_config, staging)
+                converted_adapter_config(self.accelerator.unwrap_model(self.model)).save_pretrained(staging)
         if dist.is_initialized():
             dist.barrier()
         return directory

@@ -8,13 +8,13 @@ part of `fsdp_peft.validation.RULES`). What each variant costs and where it runs
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
 from dataclasses import dataclass, field
 
 import torch
-from peft import get_peft_model_state_dict
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
@@ -70,21 +70,56 @@ def lora_config_arguments(recipe, shapes_only: bool = False) -> dict:
     return arguments
 
 
+def peft_name(name: str, adapter: str) -> str:
+    """A trainable parameter's name as peft's ``save_pretrained`` writes it (``get_peft_model_state_dict``):
+    the adapter name dropped, ``lora_magnitude_vector`` for DoRA's ``lora_magnitude_vector.<adapter>.weight``,
+    ``<module>.weight`` for a ``modules_to_save`` copy. Done on names, since peft's own function reads the
+    modules of the model, which under FSDP1 are wrapped (and gathering them there is collective)."""
+    name = name.replace(f".modules_to_save.{adapter}.", ".")
+    name = re.sub(rf"\.lora_magnitude_vector\.{re.escape(adapter)}\.weight$", ".lora_magnitude_vector", name)
+    return re.sub(rf"\.{re.escape(adapter)}(?=\.|$)", "", name)
+
+
 def peft_adapter_tensors(peft_model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The gathered trainable tensors under the names peft's ``save_pretrained`` writes: adapter name dropped,
-    ``lora_magnitude_vector`` for DoRA, ``<module>.weight`` for a ``modules_to_save`` copy,
-    ``token_adapter.trainable_tokens_delta`` for trainable tokens (what ``PeftModel.from_pretrained`` reads)."""
-    tensors = get_peft_model_state_dict(
-        peft_model, state_dict=state_dict, adapter_name=peft_model.active_adapter, save_embedding_layers=False
-    )
-    if len(tensors) != len(state_dict):
-        lost = sorted(
-            set(state_dict) - {k for k in state_dict if any(k.startswith(t.rsplit(".", 1)[0]) for t in tensors)}
-        )
-        raise RuntimeError(
-            f"adapter: peft kept {len(tensors)} of {len(state_dict)} trainable tensors (lost: {lost[:3]})"
-        )
+    """The gathered trainable tensors under peft's names (`peft_name`, what ``PeftModel.from_pretrained``
+    reads); for PiSSA/OLoRA, converted onto the original base (`remember_initial_adapter`)."""
+    adapter = peft_model.active_adapter
+    tensors = {peft_name(name, adapter): tensor for name, tensor in state_dict.items()}
+    initial = getattr(peft_model, INITIAL_ADAPTER, None)
+    if initial is not None:  # PiSSA/OLoRA changed the base: save the update relative to the original base
+        for name, start in initial.items():
+            name = peft_name(name, adapter)
+            if ".lora_A" in name or ".lora_embedding_A" in name:
+                tensors[name] = torch.cat([tensors[name], start], dim=0)
+            elif ".lora_B" in name or ".lora_embedding_B" in name:
+                tensors[name] = torch.cat([tensors[name], -start], dim=1)
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+INITIAL_ADAPTER = "fsdp_peft_initial_adapter"
+
+
+def remember_initial_adapter(peft_model, recipe) -> None:
+    """PiSSA and OLoRA move ``scale * B0 @ A0`` out of the base weights: keep the initial A0, B0 (adapter-sized)
+    so the saved adapter can be peft's own conversion to a plain LoRA of rank 2r on the original base."""
+    if recipe.init_lora_weights.split("_niter_")[0] in ("pissa", "olora"):
+        initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" in n}
+        setattr(peft_model, INITIAL_ADAPTER, initial)
+
+
+def converted_adapter_config(peft_model):
+    """The adapter config to save: for PiSSA/OLoRA, peft's conversion (``save_pretrained(...,
+    path_initial_model_for_weight_conversion=...)``): rank and patterns doubled, the scale kept."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    if getattr(peft_model, INITIAL_ADAPTER, None) is None:
+        return config
+    config = copy.deepcopy(config)
+    config.init_lora_weights = True
+    config.r *= 2
+    config.lora_alpha *= 2**0.5 if config.use_rslora else 2
+    config.rank_pattern = {key: 2 * value for key, value in (config.rank_pattern or {}).items()}
+    config.alpha_pattern = {key: 2 * value for key, value in (config.alpha_pattern or {}).items()}
+    return config
 
 
 def targets_embedding(recipe) -> bool:
@@ -151,6 +186,16 @@ def _init_from_base_weights_needs_the_full_precision_base(recipe, training) -> s
             "4-bit residual must then be re-quantized, which fsdp-peft does not do yet; train with load_in_4bit: "
             "false, or use init_lora_weights: default"
         )
+    if init == "loftq":
+        return (
+            "init_lora_weights: loftq replaces each base weight by a quantized residual meant to be loaded in 4 bits, "
+            "which fsdp-peft does not do yet (on a 16-bit base no export or reload reproduces it); use pissa or olora"
+        )
+    if recipe.use_dora:
+        return (
+            f"init_lora_weights: {init} with use_dora: peft's conversion of the trained adapter back onto the original "
+            "base covers LoRA's A and B, not DoRA's magnitude; set use_dora: false, or init_lora_weights: default"
+        )
     settings = _settings(training)
     if settings is not None and settings.cpu_ram_efficient_loading:
         return (
@@ -182,8 +227,9 @@ def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
     if recipe.trainable_token_indices or targets_embedding(recipe):
         what = "trainable_token_indices" if recipe.trainable_token_indices else "LoRA on the embedding layer"
         return (
-            f"{what} under FSDP1: its trainable tensors are parameter dicts that peft reads without calling them, "
-            "so FSDP1 (use_orig_params: false) never gathers them; use FSDP2 (fsdp_version: 2)"
+            f"{what} under FSDP1: its trainable tensors live inside the frozen embedding module, and FSDP1 "
+            "(use_orig_params: false) refuses to flatten trainable and frozen tensors together; "
+            "use FSDP2 (fsdp_version: 2)"
         )
     return None
 
@@ -299,3 +345,25 @@ def adapter_updates(tensors: dict[str, torch.Tensor], config: dict, origin) -> d
             alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
             update.scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return updates
+
+
+def trained_copies_compute_in_the_model_dtype(peft_model, dtype: torch.dtype) -> None:
+    """Trained ``modules_to_save`` copies are fp32 master weights like the adapters: cast their input to their
+    own dtype and their output to the model's ``dtype``, as peft does around its LoRA layers, so that a forward
+    outside autocast and mixed precision (unsharded ``generate``) runs; inside them both casts do nothing."""
+    for module in peft_model.modules():
+        copies = getattr(module, "modules_to_save", None)
+        if not isinstance(copies, torch.nn.ModuleDict):
+            continue
+        for trained in copies.values():
+            trained.register_forward_pre_hook(_inputs_to_own_dtype)
+            trained.register_forward_hook(lambda _module, _inputs, output: _floating_to(output, dtype))
+
+
+def _inputs_to_own_dtype(module: torch.nn.Module, inputs: tuple) -> tuple:
+    own = next(module.parameters()).dtype
+    return tuple(_floating_to(value, own) for value in inputs)
+
+
+def _floating_to(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
