@@ -158,9 +158,14 @@ def _eval_loss(model, model_dir, autocast: bool) -> float:
     rows = tokenized_dataset(read_examples(eval_path), tokenizer, recipe, eval_path)
     total, count = 0.0, 0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for row in rows:
-            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].float()
-            labels = torch.tensor(row["labels"][1:])
+        for start in range(0, len(rows), 50):  # right-padded batches: the padding is masked and never a label
+            batch = [rows[i] for i in range(start, min(start + 50, len(rows)))]
+            width = max(len(row["input_ids"]) for row in batch)
+            ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in batch])
+            mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in batch])
+            labels = torch.tensor([r["labels"] + [IGNORE_INDEX] * (width - len(r["labels"])) for r in batch])
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            labels = labels[:, 1:]
             keep = labels != IGNORE_INDEX
             total += torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
             count += int(keep.sum())
