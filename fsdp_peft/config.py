@@ -63,6 +63,26 @@ class RecipeArguments:
         default_factory=lambda: [AUTO_TARGETS],
         metadata={"help": "module names to adapt, 'all-linear', or 'auto' (the model family's default)"},
     )
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: a trained magnitude per output row"})
+    use_rslora: bool = field(default=False, metadata={"help": "rsLoRA: scale alpha / sqrt(r), not alpha / r"})
+    init_lora_weights: str = field(
+        default="default",
+        metadata={"help": "default, gaussian, pissa, pissa_niter_N, olora or loftq (see docs/variants.md)"},
+    )
+    loftq_bits: int = field(default=4, metadata={"help": "loftq: bits of its quantization (2, 4, 8)"})
+    loftq_iter: int = field(default=1, metadata={"help": "loftq: alternating steps"})
+    lora_rank_pattern: dict | str | None = field(
+        default=None, metadata={"help": "per-module rank, {name or regex: r}, e.g. {'o_proj': 8}"}
+    )
+    lora_alpha_pattern: dict | str | None = field(
+        default=None, metadata={"help": "per-module alpha, {name or regex: alpha}"}
+    )
+    lora_modules_to_save: list[str] = field(
+        default_factory=list, metadata={"help": "modules trained whole next to the adapters, e.g. lm_head"}
+    )
+    trainable_token_indices: list[int] = field(
+        default_factory=list, metadata={"help": "token ids whose embedding rows are trained (new special tokens)"}
+    )
     dataset: str = field(
         default=TINY_DATASET_NAME,
         metadata={"help": f"'{TINY_DATASET_NAME}' (embedded), a local data file or directory, or a hub dataset id"},
@@ -140,7 +160,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
-LIST_KEYS = ("lora_target_modules",)
+LIST_KEYS = ("lora_target_modules", "lora_modules_to_save")
 
 
 def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:

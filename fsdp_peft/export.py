@@ -25,7 +25,6 @@ import fcntl
 import glob
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -55,6 +54,7 @@ from fsdp_peft.safetensors_io import (
     read_header,
     read_tensors,
 )
+from fsdp_peft.variants import WeightUpdate, adapter_updates, init_reads_base_weights
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
@@ -84,7 +84,7 @@ ADAPTER_SOURCES = (
     "an adapter directory (adapter_config.json + adapter_model.safetensors), "
     f"a Trainer checkpoint ({DCP_DIR}/), or a training output_dir (adapter/ or checkpoint-N/)"
 )
-UNSUPPORTED_ADAPTER_KEYS = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
+UNSUPPORTED_ADAPTER_KEYS = ("layers_to_transform",)
 
 
 @dataclass
@@ -97,23 +97,10 @@ class Adapter:
     recipe: dict = field(default_factory=dict)
     base: dict = field(default_factory=dict)  # the base it was trained on (BASE_FILE); empty when not recorded
 
-    @property
-    def scale(self) -> float:
-        r, alpha = self.config["r"], self.config["lora_alpha"]
-        return alpha / math.sqrt(r) if self.config.get("use_rslora") else alpha / r
-
-    def deltas_by_base_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{base weight key: (lora_A, lora_B)}``."""
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in self.tensors.items():
-            match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", key.removeprefix(PEFT_PREFIX))
-            if not match:
-                raise ConfigError(f"{self.origin}: adapter tensor '{key}' is not a LoRA A/B weight; cannot merge it")
-            pairs.setdefault(f"{match[1]}.weight", {})[match[2]] = tensor
-        incomplete = [k for k, pair in pairs.items() if set(pair) != {"A", "B"}]
-        if incomplete:
-            raise ConfigError(f"{self.origin}: adapter has lora_A without lora_B (or the reverse) for {incomplete[0]}")
-        return {key: (pair["A"], pair["B"]) for key, pair in pairs.items()}
+    def updates_by_base_key(self) -> dict[str, WeightUpdate]:
+        """``{base tensor key: WeightUpdate}`` (LoRA, DoRA, rsLoRA, patterns, modules_to_save, trainable tokens)."""
+        tensors = {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in self.tensors.items()}
+        return adapter_updates(tensors, self.config, self.origin)
 
 
 def _read_json(path: Path) -> dict:
@@ -123,8 +110,13 @@ def _read_json(path: Path) -> dict:
 def _check_adapter_config(config: dict, origin: Path) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{origin}: adapter type {config.get('peft_type')} cannot be merged; only LoRA")
-    if config.get("use_dora") or config.get("fan_in_fan_out") or config.get("bias", "none") != "none":
-        raise ConfigError(f"{origin}: DoRA, fan_in_fan_out and trained biases are not supported by export yet")
+    if config.get("fan_in_fan_out") or config.get("bias", "none") != "none":
+        raise ConfigError(f"{origin}: fan_in_fan_out and trained biases are not supported by export yet")
+    if init_reads_base_weights(str(config.get("init_lora_weights", True))):
+        raise ConfigError(
+            f"{origin}: a {config['init_lora_weights']} adapter as trained (a checkpoint) belongs to a changed base; "
+            "export the run's final adapter/, which is converted onto the original base"
+        )
     for key in UNSUPPORTED_ADAPTER_KEYS:
         if config.get(key):
             raise ConfigError(f"{origin}: adapter_config '{key}' is not supported by export yet")
@@ -191,20 +183,30 @@ def resolve_base(adapter: Adapter, base: str | None) -> Path:
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
 
 
-def check_adapter_fits_base(deltas: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
+def check_adapter_fits_base(updates: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
     """Every adapted weight exists in the base with matching shapes; raised before anything is written."""
-    headers = {path: read_header(path) for path in {files[key] for key in deltas if key in files}}
-    for key, (lora_a, lora_b) in deltas.items():
+    headers = {path: read_header(path) for path in {files[key] for key in updates if key in files}}
+    for key, update in updates.items():
         if key not in files:
             raise ConfigError(
                 f"adapter {adapter.origin} adapts '{key}', which base {base} does not have "
                 "(different architecture, or the wrong --base)"
             )
         shape = tuple(headers[files[key]][key]["shape"])
-        if shape != (lora_b.shape[0], lora_a.shape[1]) or lora_a.shape[0] != lora_b.shape[1]:
+        if update.replacement is not None:
+            given, what = tuple(update.replacement.shape), "trained copy"
+        elif update.lora_a is not None:
+            given, what = update.delta_shape(), "B @ A"
+            if update.lora_a.shape[0] != update.lora_b.shape[1]:
+                given = ()
+        else:
+            given, what = (shape[0], update.token_rows.shape[1]), "trained token rows' width"
+            if max(update.token_indices) >= shape[0]:
+                given = ()
+        if shape != given:
             raise ConfigError(
                 f"adapter {adapter.origin}: '{key}' is {list(shape)} in base {base} but the adapter's "
-                f"B @ A is {[lora_b.shape[0], lora_a.shape[1]]} (wrong --base?)"
+                f"{what} is {list(given)} (wrong --base?)"
             )
 
 
@@ -401,15 +403,14 @@ def _keys_by_file(base_files: dict[str, Path]) -> dict[Path, list[str]]:
 
 def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: str, progress: bool):
     """Yield ``(key, merged fp32 tensor)`` for every base tensor, reading one tensor at a time."""
-    deltas = adapter.deltas_by_base_key()
+    updates = adapter.updates_by_base_key()
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
         for path, keys in _keys_by_file(base_files).items():
             for key, tensor in read_tensors(path, keys):
                 if base_variant == "nf4" and is_quantized_in_training(key, tensor):
                     tensor = nf4_round_trip(tensor, adapter.recipe)
-                if key in deltas:
-                    lora_a, lora_b = deltas[key]
-                    tensor = tensor.float() + (lora_b.float() @ lora_a.float()) * adapter.scale
+                if key in updates:
+                    tensor = updates[key].apply(tensor)
                 yield key, tensor
                 bar.update()
 
@@ -456,7 +457,7 @@ def export_merged(
     check_trained_base(adapter, base_dir, allow_base_mismatch)
     check_base_is_unquantized(base_dir)
     files = base_tensor_files(base_dir)
-    check_adapter_fits_base(adapter.deltas_by_base_key(), files, adapter, base_dir)
+    check_adapter_fits_base(adapter.updates_by_base_key(), files, adapter, base_dir)
     out_dtype = OUTPUT_DTYPES[dtype]
 
     remove_stale_staging(out)

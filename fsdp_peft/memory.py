@@ -71,7 +71,9 @@ def quantization_constant_bytes(model: torch.nn.Module) -> int:
 
     for module in model.modules():
         # bitsandbytes keeps a copy on the module: FSDP's sharded DTensor weight loses its own
-        state = getattr(module, "quant_state", None) or getattr(getattr(module, "weight", None), "quant_state", None)
+        # (its own registered weight: a wrapper's ``weight`` property, e.g. peft's trainable tokens, computes a tensor)
+        weight = module._parameters.get("weight")
+        state = getattr(module, "quant_state", None) or getattr(weight, "quant_state", None)
         if state is None:
             continue
         for name in ("absmax", "code", "offset"):

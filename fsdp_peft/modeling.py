@@ -23,6 +23,11 @@ from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_to
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.validation import mixed_precision_dtype
+from fsdp_peft.variants import (
+    lora_config_arguments,
+    remember_initial_adapter,
+    trained_copies_compute_in_the_model_dtype,
+)
 
 
 def local_device() -> torch.device:
@@ -101,13 +106,17 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
         lora_dropout=recipe.lora_dropout,
         target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
+        **lora_config_arguments(recipe),
     )
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
-    if not keep_fp32:
-        for parameter in peft_model.parameters():
-            if parameter.requires_grad:
-                parameter.data = parameter.data.to(getattr(torch, recipe.torch_dtype))
+    remember_initial_adapter(peft_model, recipe)
+    # peft keeps only lora_* layers in fp32: trained copies (modules_to_save) and token rows follow the same rule
+    trainable_dtype = torch.float32 if keep_fp32 else getattr(torch, recipe.torch_dtype)
+    for parameter in peft_model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.to(trainable_dtype)
+    trained_copies_compute_in_the_model_dtype(peft_model, getattr(torch, recipe.torch_dtype))
     return peft_model

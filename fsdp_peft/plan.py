@@ -33,6 +33,7 @@ from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.validation import mixed_precision_dtype
+from fsdp_peft.variants import lora_config_arguments, stored_weight
 from fsdp_peft.xla import xla_plan
 
 GIB = 2**30
@@ -145,6 +146,7 @@ def meta_peft_model(model_config, recipe):
             lora_dropout=recipe.lora_dropout,
             target_modules=lora_targets(recipe.lora_target_modules, family_for(model_config.model_type)),
             task_type="CAUSAL_LM",
+            **lora_config_arguments(recipe, shapes_only=True),
         )
         return get_peft_model(model, lora)
 
@@ -155,7 +157,7 @@ def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None
     storage_bytes = DTYPE_BYTES.get(recipe.bnb_4bit_quant_storage, 1)
     inner = peft_model.get_base_model()
     head = inner.get_output_embeddings()
-    head_weight = head.weight if head is not None else None
+    head_weight = stored_weight(head)
     layers = [m for m in inner.modules() if isinstance(m, tuple(decoder_layer_classes(inner)))]
     counts = ModelCounts()
     linear: set[int] = set()  # transformers' bnb quantizer converts every nn.Linear except the output head
@@ -186,7 +188,7 @@ def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None
             for p in layers[0].parameters()
         )
     others = [m for m in (inner.get_input_embeddings(), head) if m is not None]
-    counts.largest_other_unit_gathered_bytes = max((m.weight.numel() * gather_bytes for m in others), default=0)
+    counts.largest_other_unit_gathered_bytes = max((stored_weight(m).numel() * gather_bytes for m in others), default=0)
     return counts
 
 

@@ -37,6 +37,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from fsdp_peft.families import family_of_model
+from fsdp_peft.variants import stored_weight
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,7 +58,7 @@ def embeddings_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], 
     """The input embeddings and output head, and whether they share one weight (tied)."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embed is not None and head is not None and embed.weight is head.weight
+    tied = embed is not None and head is not None and stored_weight(embed) is stored_weight(head)
     return [m for m in (embed, head) if m is not None], tied
 
 

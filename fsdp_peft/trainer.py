@@ -33,6 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
+from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
     expose_generate,
     load_spmd_checkpoint,
@@ -179,6 +180,7 @@ class PeftFsdpMixin:
             with publish_directory(directory, replace=True) as staging:
                 write_adapter(self.unwrapped_model(), state_dict, staging)
                 write_adapter_metadata(self.unwrapped_model(), self.recipe_config, staging)
+                converted_adapter_config(self.unwrapped_model()).save_pretrained(staging)
         if dist.is_initialized():
             dist.barrier()
         return directory
@@ -256,10 +258,10 @@ def write_adapter(peft_model, state_dict: dict[str, torch.Tensor], directory: Pa
     """Write ``state_dict`` as the active adapter in PEFT's format (``PeftModel.from_pretrained`` reads it).
 
     peft's own ``save_pretrained`` selects adapter tensors by the model's module names, which FSDP1
-    wrappers change; the keys here are already the unwrapped names, so only the adapter name is dropped.
+    wrappers change; the keys here are already the unwrapped names, renamed as peft names them
+    (`fsdp_peft.variants.peft_adapter_tensors`).
     """
-    adapter = peft_model.active_adapter
-    tensors = {name.replace(f".{adapter}.", "."): tensor.contiguous() for name, tensor in state_dict.items()}
+    tensors = peft_adapter_tensors(peft_model, state_dict)
     save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     peft_model.create_or_update_model_card(str(directory))
 

@@ -35,6 +35,7 @@ from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
+from fsdp_peft.variants import VARIANT_RULES
 from fsdp_peft.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
 
 FLOATING_DTYPES = ("float32", "bfloat16", "float16")
@@ -483,6 +484,7 @@ RULES: list[Callable] = [
     _reference_is_the_adapter_disabled_model,
     _precomputed_reference_sees_the_weights,
     _xla_route_can_run,
+    *VARIANT_RULES,
 ]
 
 

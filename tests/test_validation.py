@@ -179,6 +179,36 @@ CASES = {
         [],
         "parallelism_config: dp_replicate_size 2 x dp_shard_size 8 = 16 ranks, but this launch has 2 (num_processes)",
     ),
+    "_variant_keys_are_known": (
+        LORA_TINY,
+        {},
+        ["--init_lora_weights", "pisa"],
+        "init_lora_weights: 'pisa' is not one of default, gaussian, pissa, pissa_niter_N (N: subspace iterations",
+    ),
+    "_eva_needs_the_whole_data_on_one_rank": (
+        LORA_TINY,
+        {},
+        ["--init_lora_weights", "eva"],
+        "init_lora_weights: eva computes its SVD from activations of the training data before training",
+    ),
+    "_init_from_base_weights_needs_the_full_precision_base": (
+        QLORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--init_lora_weights", "pissa_niter_4"],
+        "init_lora_weights: pissa_niter_4 with load_in_4bit: peft derives the adapter from the 16-bit weights",
+    ),
+    "_trainable_tokens_and_their_embedding_copy_exclude_each_other": (
+        LORA_TINY,
+        {},
+        ["--trainable_token_indices", "3", "--lora_modules_to_save", "embed_tokens"],
+        "trainable_token_indices: trains rows of the embedding that lora_modules_to_save (embed_tokens) already",
+    ),
+    "_fsdp1_gathers_only_called_modules": (
+        LORA_TINY,
+        ACCELERATE_FSDP1,
+        ["--trainable_token_indices", "3"],
+        "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
+    ),
 }
 
 

@@ -1,0 +1,369 @@
+"""LoRA variants: DoRA, rsLoRA, initialisation from the base weights, rank/alpha patterns, trained copies
+of whole modules (``lora_modules_to_save``), trainable token rows and LoRA on the embedding layer.
+
+One place turns the recipe keys into peft's ``LoraConfig`` arguments (`lora_config_arguments`) and holds
+the rules that refuse what peft or FSDP cannot do, before any process group starts (`VARIANT_RULES`,
+part of `fsdp_peft.validation.RULES`). What each variant costs and where it runs: docs/variants.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.keys import unknown_choice
+from fsdp_peft.launch import FsdpSettings, fsdp_settings
+
+INIT_CHOICES = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "eva")
+FROM_BASE_WEIGHTS = ("pissa", "olora", "loftq")  # initialisations that read (and change) the base weights
+LOFTQ_BITS = (2, 4, 8)
+EMBEDDING_NAMES = ("embed_tokens", "wte", "word_embeddings")
+
+
+def init_lora_weights(value: str) -> bool | str:
+    """peft's ``init_lora_weights`` for the recipe value: ``default`` is peft's own default (``True``)."""
+    return True if value == "default" else value
+
+
+def init_reads_base_weights(value: str) -> bool:
+    """PiSSA (any ``pissa_niter_N``), OLoRA and LoftQ derive the adapter from the base weights."""
+    return value.split("_niter_")[0] in FROM_BASE_WEIGHTS
+
+
+def parse_pattern(value, key: str) -> dict:
+    """``lora_rank_pattern``/``lora_alpha_pattern``: a YAML mapping, or its JSON text on the command line."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key}: expected a mapping of module name (or regex) to a number, e.g. '{{\"q_proj\": 8}}'")
+    return value
+
+
+def lora_config_arguments(recipe, shapes_only: bool = False) -> dict:
+    """The variant arguments of peft's ``LoraConfig`` (r, alpha, dropout and targets are set by the caller);
+    ``shapes_only`` (a model on the meta device) skips initialisations that read the base weights."""
+    init = "default" if shapes_only else recipe.init_lora_weights
+    arguments = {
+        "use_dora": recipe.use_dora,
+        "use_rslora": recipe.use_rslora,
+        "init_lora_weights": init_lora_weights(init),
+        "rank_pattern": parse_pattern(recipe.lora_rank_pattern, "lora_rank_pattern"),
+        "alpha_pattern": parse_pattern(recipe.lora_alpha_pattern, "lora_alpha_pattern"),
+        "modules_to_save": list(recipe.lora_modules_to_save) or None,
+        "trainable_token_indices": list(recipe.trainable_token_indices) or None,
+    }
+    if init == "loftq":
+        from peft import LoftQConfig  # lazy: only LoftQ needs it (and scipy behind it)
+
+        arguments["loftq_config"] = LoftQConfig(loftq_bits=recipe.loftq_bits, loftq_iter=recipe.loftq_iter)
+    return arguments
+
+
+def peft_name(name: str, adapter: str) -> str:
+    """A trainable parameter's name as peft's ``save_pretrained`` writes it (``get_peft_model_state_dict``):
+    the adapter name dropped, ``lora_magnitude_vector`` for DoRA's ``lora_magnitude_vector.<adapter>.weight``,
+    ``<module>.weight`` for a ``modules_to_save`` copy. Done on names, since peft's own function reads the
+    modules of the model, which under FSDP1 are wrapped (and gathering them there is collective)."""
+    name = name.replace(f".modules_to_save.{adapter}.", ".")
+    name = re.sub(rf"\.lora_magnitude_vector\.{re.escape(adapter)}\.weight$", ".lora_magnitude_vector", name)
+    return re.sub(rf"\.{re.escape(adapter)}(?=\.|$)", "", name)
+
+
+def peft_adapter_tensors(peft_model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gathered trainable tensors under peft's names (`peft_name`, what ``PeftModel.from_pretrained``
+    reads); for PiSSA/OLoRA, converted onto the original base (`remember_initial_adapter`)."""
+    adapter = peft_model.active_adapter
+    tensors = {peft_name(name, adapter): tensor for name, tensor in state_dict.items()}
+    initial = getattr(peft_model, INITIAL_ADAPTER, None)
+    if initial is not None:  # PiSSA/OLoRA changed the base: save the update relative to the original base
+        for name, start in initial.items():
+            name = peft_name(name, adapter)
+            if ".lora_A" in name or ".lora_embedding_A" in name:
+                tensors[name] = torch.cat([tensors[name], start], dim=0)
+            elif ".lora_B" in name or ".lora_embedding_B" in name:
+                tensors[name] = torch.cat([tensors[name], -start], dim=1)
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+INITIAL_ADAPTER = "fsdp_peft_initial_adapter"
+
+
+def remember_initial_adapter(peft_model, recipe) -> None:
+    """PiSSA and OLoRA move ``scale * B0 @ A0`` out of the base weights: keep the initial A0, B0 (adapter-sized)
+    so the saved adapter can be peft's own conversion to a plain LoRA of rank 2r on the original base."""
+    if recipe.init_lora_weights.split("_niter_")[0] in ("pissa", "olora"):
+        initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" in n}
+        setattr(peft_model, INITIAL_ADAPTER, initial)
+
+
+def converted_adapter_config(peft_model):
+    """The adapter config to save: for PiSSA/OLoRA, peft's conversion (``save_pretrained(...,
+    path_initial_model_for_weight_conversion=...)``): rank and patterns doubled, the scale kept."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    if getattr(peft_model, INITIAL_ADAPTER, None) is None:
+        return config
+    config = copy.deepcopy(config)
+    config.init_lora_weights = True
+    config.r *= 2
+    config.lora_alpha *= 2**0.5 if config.use_rslora else 2
+    config.rank_pattern = {key: 2 * value for key, value in (config.rank_pattern or {}).items()}
+    config.alpha_pattern = {key: 2 * value for key, value in (config.alpha_pattern or {}).items()}
+    return config
+
+
+def targets_embedding(recipe) -> bool:
+    """LoRA on the input embedding: an embedding module name among ``lora_target_modules``."""
+    return any(name in EMBEDDING_NAMES for name in recipe.lora_target_modules)
+
+
+def _settings(training: dict) -> FsdpSettings | None:
+    """The run's FSDP settings; ``None`` without FSDP or when they do not resolve (another rule says so)."""
+    try:
+        return fsdp_settings(training)
+    except ConfigError:
+        return None
+
+
+def _fsdp_version(training: dict) -> int | None:
+    settings = _settings(training)
+    return settings.version if settings is not None else None
+
+
+def _variant_keys_are_known(recipe, training) -> str | None:
+    init = recipe.init_lora_weights
+    if init not in INIT_CHOICES and not re.fullmatch(r"pissa_niter_[1-9]\d*", init):
+        return unknown_choice("init_lora_weights", init, INIT_CHOICES).replace(
+            "pissa_niter_N", "pissa_niter_N (N: subspace iterations, e.g. pissa_niter_16)"
+        )
+    if recipe.loftq_bits not in LOFTQ_BITS:
+        return f"loftq_bits: must be one of {', '.join(map(str, LOFTQ_BITS))}, got {recipe.loftq_bits}"
+    if recipe.loftq_iter < 1:
+        return f"loftq_iter: must be at least 1, got {recipe.loftq_iter} (alternating LoftQ steps; 1 is peft's default)"
+    for key in ("lora_rank_pattern", "lora_alpha_pattern"):
+        try:
+            pattern = parse_pattern(getattr(recipe, key), key)
+        except ValueError as error:
+            return str(error)
+        bad = {
+            name: v for name, v in pattern.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+        }
+        if bad or (key == "lora_rank_pattern" and any(not isinstance(v, int) for v in pattern.values())):
+            kind = "a positive whole number (a rank)" if key == "lora_rank_pattern" else "a positive number"
+            return f"{key}: every value must be {kind}, got {bad or pattern}"
+    if any(index < 0 for index in recipe.trainable_token_indices):
+        return f"trainable_token_indices: token ids are 0 or more, got {recipe.trainable_token_indices}"
+    return None
+
+
+def _eva_needs_the_whole_data_on_one_rank(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva":
+        return (
+            "init_lora_weights: eva computes its SVD from activations of the training data before training "
+            "(peft's initialize_lora_eva_weights on an unsharded model with its own dataloader), which the "
+            "sharded recipes do not run; use pissa, olora, loftq, gaussian or default"
+        )
+    return None
+
+
+def _init_from_base_weights_needs_the_full_precision_base(recipe, training) -> str | None:
+    init = recipe.init_lora_weights
+    if not init_reads_base_weights(init):
+        return None
+    if recipe.load_in_4bit:
+        return (
+            f"init_lora_weights: {init} with load_in_4bit: peft derives the adapter from the 16-bit weights and the "
+            "4-bit residual must then be re-quantized, which fsdp-peft does not do yet; train with load_in_4bit: "
+            "false, or use init_lora_weights: default"
+        )
+    if init == "loftq":
+        return (
+            "init_lora_weights: loftq replaces each base weight by a quantized residual meant to be loaded in 4 bits, "
+            "which fsdp-peft does not do yet (on a 16-bit base no export or reload reproduces it); use pissa or olora"
+        )
+    if recipe.use_dora:
+        return (
+            f"init_lora_weights: {init} with use_dora: peft's conversion of the trained adapter back onto the original "
+            "base covers LoRA's A and B, not DoRA's magnitude; set use_dora: false, or init_lora_weights: default"
+        )
+    settings = _settings(training)
+    if settings is not None and settings.cpu_ram_efficient_loading:
+        return (
+            f"init_lora_weights: {init} reads every base weight when the adapters are made, but "
+            "cpu_ram_efficient_loading builds a weightless model that receives its shards later; "
+            "set cpu_ram_efficient_loading: false"
+        )
+    return None
+
+
+def _trainable_tokens_and_their_embedding_copy_exclude_each_other(recipe, training) -> str | None:
+    saved = [name for name in recipe.lora_modules_to_save if name in EMBEDDING_NAMES]
+    if recipe.trainable_token_indices and saved:
+        return (
+            f"trainable_token_indices: trains rows of the embedding that lora_modules_to_save ({saved[0]}) already "
+            f"trains whole; drop {saved[0]} from lora_modules_to_save, or drop trainable_token_indices"
+        )
+    if recipe.trainable_token_indices and targets_embedding(recipe):
+        return (
+            "trainable_token_indices: peft cannot put trainable tokens and LoRA on the same embedding layer; "
+            "remove the embedding from lora_target_modules, or drop trainable_token_indices"
+        )
+    return None
+
+
+def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
+    if _fsdp_version(training) != 1:
+        return None
+    if recipe.trainable_token_indices or targets_embedding(recipe):
+        what = "trainable_token_indices" if recipe.trainable_token_indices else "LoRA on the embedding layer"
+        return (
+            f"{what} under FSDP1: its trainable tensors live inside the frozen embedding module, and FSDP1 "
+            "(use_orig_params: false) refuses to flatten trainable and frozen tensors together; "
+            "use FSDP2 (fsdp_version: 2)"
+        )
+    return None
+
+
+VARIANT_RULES = [
+    _variant_keys_are_known,
+    _eva_needs_the_whole_data_on_one_rank,
+    _init_from_base_weights_needs_the_full_precision_base,
+    _trainable_tokens_and_their_embedding_copy_exclude_each_other,
+    _fsdp1_gathers_only_called_modules,
+]
+
+
+def stored_weight(module: torch.nn.Module | None) -> torch.Tensor | None:
+    """The weight a module (or the base layer peft wrapped it around) registers: peft's trainable-token
+    wrapper computes ``weight`` on access, so ``module.weight`` is not the stored tensor there."""
+    while module is not None:
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            return weight
+        module = next(
+            (
+                getattr(module, name)
+                for name in ("base_layer", "token_adapter", "original_module")
+                if hasattr(module, name)
+            ),
+            None,
+        )
+    return None
+
+
+@dataclass
+class WeightUpdate:
+    """What an adapter does to one base tensor, in peft's ``merge_and_unload`` order: the LoRA delta
+    (``scale * B @ A``, transposed for an embedding), then DoRA's magnitude over the row norms of
+    ``W + delta``; or the trained copy of a ``modules_to_save`` module; or trained token rows."""
+
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    embedding: bool = False
+    scale: float = 1.0
+    magnitude: torch.Tensor | None = None
+    replacement: torch.Tensor | None = None
+    token_indices: list[int] = field(default_factory=list)
+    token_rows: torch.Tensor | None = None
+
+    def delta_shape(self) -> tuple[int, int]:
+        rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
+        return (columns, rows) if self.embedding else (rows, columns)
+
+    def apply(self, weight: torch.Tensor) -> torch.Tensor:
+        """The merged fp32 tensor for base tensor ``weight``."""
+        if self.replacement is not None:
+            return self.replacement.float()
+        merged = weight.float()
+        if self.lora_a is not None:
+            delta = self.lora_b.float() @ self.lora_a.float()
+            delta = (delta.T if self.embedding else delta) * self.scale
+            merged = merged + delta
+            if self.magnitude is not None:  # DoRA: the norm is taken of W + delta, as peft's merge_safe does
+                norm = torch.linalg.norm(merged, dim=1)
+                merged = (self.magnitude.float() / norm).view(-1, 1) * merged
+        if self.token_rows is not None:
+            merged = merged.index_copy(0, torch.tensor(self.token_indices), self.token_rows.float())
+        return merged
+
+
+def _pattern_value(pattern: dict, module: str, default: float) -> float:
+    """peft's pattern lookup (``get_pattern_key``): the first key matching the end of the module name."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _token_indices(config: dict, module: str) -> list[int]:
+    indices = config.get("trainable_token_indices") or []
+    if isinstance(indices, dict):
+        indices = next((v for k, v in indices.items() if re.match(rf"(.*\.)?({k})$", module)), [])
+    return list(indices)
+
+
+def adapter_updates(tensors: dict[str, torch.Tensor], config: dict, origin) -> dict[str, WeightUpdate]:
+    """``{base tensor key: WeightUpdate}`` from an adapter's tensors (peft names, prefix removed)."""
+    updates: dict[str, WeightUpdate] = {}
+    saved_modules = tuple(config.get("modules_to_save") or ())
+    for key, tensor in tensors.items():
+        if match := re.fullmatch(r"(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key):
+            update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
+            update.embedding = match[2].startswith("embedding")
+            setattr(update, "lora_a" if match[2].endswith("A") else "lora_b", tensor)
+        elif match := re.fullmatch(r"(.+)\.lora_magnitude_vector(?:\.weight)?", key):
+            updates.setdefault(f"{match[1]}.weight", WeightUpdate()).magnitude = tensor
+        elif match := re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key):
+            update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
+            update.token_rows, update.token_indices = tensor, _token_indices(config, match[1])
+        elif (match := re.fullmatch(r"(.+?)(?:\.modules_to_save)?\.(\w+)", key)) and match[1].endswith(saved_modules):
+            updates.setdefault(f"{match[1]}.{match[2]}", WeightUpdate()).replacement = tensor
+        else:
+            raise ConfigError(f"{origin}: adapter tensor '{key}' is none of the LoRA variants export merges")
+    for name, update in updates.items():
+        module = name.rsplit(".", 1)[0]
+        if (update.lora_a is None) != (update.lora_b is None) or (
+            update.magnitude is not None and update.lora_a is None
+        ):
+            raise ConfigError(f"{origin}: adapter has an incomplete LoRA pair (A, B, magnitude) for {name}")
+        if update.magnitude is not None and update.embedding:
+            raise ConfigError(f"{origin}: DoRA on an embedding layer ({module}) is not supported by export yet")
+        if update.token_rows is not None and len(update.token_indices) != update.token_rows.shape[0]:
+            raise ConfigError(f"{origin}: trainable_token_indices of {module} do not match its trained rows")
+        if update.lora_a is not None:
+            r = update.lora_a.shape[0]
+            alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+            update.scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return updates
+
+
+def trained_copies_compute_in_the_model_dtype(peft_model, dtype: torch.dtype) -> None:
+    """Trained ``modules_to_save`` copies are fp32 master weights like the adapters: cast their input to their
+    own dtype and their output to the model's ``dtype``, as peft does around its LoRA layers, so that a forward
+    outside autocast and mixed precision (unsharded ``generate``) runs; inside them both casts do nothing."""
+    for module in peft_model.modules():
+        copies = getattr(module, "modules_to_save", None)
+        if not isinstance(copies, torch.nn.ModuleDict):
+            continue
+        for trained in copies.values():
+            trained.register_forward_pre_hook(_inputs_to_own_dtype)
+            trained.register_forward_hook(lambda _module, _inputs, output: _floating_to(output, dtype))
+
+
+def _inputs_to_own_dtype(module: torch.nn.Module, inputs: tuple) -> tuple:
+    own = next(module.parameters()).dtype
+    return tuple(_floating_to(value, own) for value in inputs)
+
+
+def _floating_to(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
