@@ -32,7 +32,7 @@ from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.memory import MemoryReport
-from fsdp_peft.policies import configure_fsdp_for_peft, register_generate
+from fsdp_peft.policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
     expose_generate,
@@ -83,7 +83,7 @@ class PeftFsdpMixin:
         if self.is_fsdp_enabled and not is_sharded(self.model):
             configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype)
         if self.is_fsdp_xla_enabled:
-            prepare_for_xla_fsdp(self.model, self.args)
+            prepare_for_xla_fsdp(self.model, self.args, decoder_layer_classes(self.model))
         with (
             trainer_peft_update_skipped(),
             xla_fsdp_optimizer_created(self),

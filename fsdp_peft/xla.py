@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Iterable
 
 import torch
 
@@ -54,17 +55,15 @@ def gpu_only_fsdp_keys(fsdp_config: dict) -> list[str]:
     return [key for key in keys if key not in (*XLA_KEYS, *XLA_UNIT_KEYS)]
 
 
-def prepare_for_xla_fsdp(model: torch.nn.Module, args) -> None:
-    """Before the Trainer wraps ``model``: decoder layers as units, and input grads for checkpointing.
+def prepare_for_xla_fsdp(model: torch.nn.Module, args, decoder_layers: Iterable[type]) -> None:
+    """Before the Trainer wraps ``model``: its ``decoder_layers`` as units, and input grads for checkpointing.
 
     ``xla_fsdp_grad_ckpt`` checkpoints a unit only when its input requires grad; with the embedding frozen
     (LoRA), the first decoder layer's input does not, and that layer would silently go unchecked.
     """
-    from fsdp_peft.policies import decoder_layer_classes  # lazy: policies imports transformers' FSDP helpers
-
     config = args.fsdp_config
     if not config.get("min_num_params") and not config.get("transformer_layer_cls_to_wrap"):
-        config["transformer_layer_cls_to_wrap"] = sorted(cls.__name__ for cls in decoder_layer_classes(model))
+        config["transformer_layer_cls_to_wrap"] = sorted(cls.__name__ for cls in decoder_layers)
     if config.get("xla_fsdp_grad_ckpt"):
         model.enable_input_require_grads()
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from transformers.integrations.tpu import wrap_model_xla_fsdp
 
 from fsdp_peft.paths import tiny_model_path
+from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.xla import expose_generate, parameter_shardings, prepare_for_xla_fsdp, xla_fsdp_config
 
 PROMPTS = ["reverse: nkojg", "reverse: uzpjm", "reverse: tcdoc", "reverse: sonip"]
@@ -47,7 +48,7 @@ tokenizer.padding_side = "left"
 unsharded = greedy(trained_model(), torch.device("cpu"))
 args = TrainingArguments(output_dir="/tmp/unused", fsdp=True, fsdp_config=xla_fsdp_config({}), report_to="none")
 model = trained_model()
-prepare_for_xla_fsdp(model, args)
+prepare_for_xla_fsdp(model, args, decoder_layer_classes(model))
 sharded_model = wrap_model_xla_fsdp(model, args, True)
 expose_generate(sharded_model)
 sharded = greedy(sharded_model, torch.device("xla"))
