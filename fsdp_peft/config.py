@@ -83,6 +83,10 @@ class RecipeArguments:
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
+    loss_chunk_tokens: int = field(
+        default=512,
+        metadata={"help": "tokens per chunk of the chunked loss (full logits never held); 0: the model's own loss"},
+    )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
         default=True, metadata={"help": "render prompts with the tokenizer's chat template"}
