@@ -83,6 +83,10 @@ class RecipeArguments:
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
+    attn_implementation: str = field(
+        default="auto",
+        metadata={"help": "sdpa, eager, flash_attention_2/3, flex_attention, a hub kernel (org/name), or auto"},
+    )
     loss_chunk_tokens: int = field(
         default=512,
         metadata={"help": "tokens per chunk of the chunked loss (full logits never held); 0: the model's own loss"},

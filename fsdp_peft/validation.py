@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from fsdp_peft.attention import attention_problem
 from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.errors import ConfigError
@@ -371,6 +372,10 @@ def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
     return None
 
 
+def _attention_kernel_runs_here(recipe, training) -> str | None:
+    return attention_problem(recipe.attn_implementation)
+
+
 RULES: list[Callable] = [
     _fsdp_settings_resolve,
     _dtype_keys_are_known,
@@ -394,6 +399,7 @@ RULES: list[Callable] = [
     _cpu_mode_cannot_load_on_rank_0_only,
     _checkpoints_are_finished_by_one_rank,
     _parallelism_config_fills_the_launch,
+    _attention_kernel_runs_here,
 ]
 
 
