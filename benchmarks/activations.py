@@ -16,7 +16,10 @@ checkpointing (transformers' default, reentrant). Per case:
 - **peak RSS growth**: peak resident memory of the process over the step minus before it (MiB).
 - **step s**: forward + backward, median of 3.
 
-    python benchmarks/activations.py        # about 2 minutes on 2 cores; writes benchmarks/results/activations.json
+    python benchmarks/activations.py                       # about 4 minutes on 2 cores
+    python benchmarks/activations.py --tokens 128 --vocab 4096  # seconds: the same code on a small shape
+
+It prints a table and writes ``benchmarks/results/activations.json``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def rss_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
 
 
-def measure(loss: str, checkpointing: bool) -> dict:
+def measure(loss: str, checkpointing: bool, tokens: int, vocab: int) -> dict:
     """One case, in this process."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -65,14 +68,14 @@ def measure(loss: str, checkpointing: bool) -> dict:
     from fsdp_peft.plan import activation_bytes
 
     torch.manual_seed(0)
-    config = LlamaConfig(**MODEL)
+    config = LlamaConfig(**{**MODEL, "vocab_size": vocab})
     model = LlamaForCausalLM(config)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
     model.train()
-    input_ids = torch.randint(0, config.vocab_size, (1, TOKENS))
+    input_ids = torch.randint(0, config.vocab_size, (1, tokens))
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     base = model.get_base_model()
     phase = ["body"]
@@ -89,8 +92,8 @@ def measure(loss: str, checkpointing: bool) -> dict:
     def one_layer_saved_bytes() -> int:
         """What a decoder layer saves for backward: what its recomputation holds under checkpointing."""
         sizes = {}
-        hidden = torch.randn(1, TOKENS, config.hidden_size, requires_grad=True)
-        positions = torch.arange(TOKENS)[None]
+        hidden = torch.randn(1, tokens, config.hidden_size, requires_grad=True)
+        positions = torch.arange(tokens)[None]
         with torch.autograd.graph.saved_tensors_hooks(
             lambda t: sizes.__setitem__(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t,
             lambda t: t,
@@ -126,7 +129,7 @@ def measure(loss: str, checkpointing: bool) -> dict:
     one_layer = one_layer_saved_bytes() if checkpointing else 0
     measured = body + head + one_layer
     recipe = RecipeArguments(lora_dropout=0.0, loss_chunk_tokens=CHUNK if loss == "chunked" else 0)
-    planned = activation_bytes(config, recipe, TOKENS, 4, checkpointing)
+    planned = activation_bytes(config, recipe, tokens, 4, checkpointing)
     return {
         "loss": loss,
         "gradient_checkpointing": checkpointing,
@@ -145,20 +148,23 @@ def measure(loss: str, checkpointing: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", help=argparse.SUPPRESS)  # loss,checkpointing: run one case in this process
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="sequence length (one sequence)")
+    parser.add_argument("--vocab", type=int, default=MODEL["vocab_size"], help="vocabulary size")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "activations.json")
     cli = parser.parse_args()
     if cli.case:
         loss, checkpointing = cli.case.split(",")
-        print(json.dumps(measure(loss, checkpointing == "on")))
+        print(json.dumps(measure(loss, checkpointing == "on", cli.tokens, cli.vocab)))
         return
     rows = []
     for loss, checkpointing in CASES:
         case = f"{loss},{'on' if checkpointing else 'off'}"
-        done = subprocess.run([sys.executable, __file__, "--case", case], capture_output=True, text=True, check=False)
+        command = [sys.executable, __file__, "--case", case, "--tokens", str(cli.tokens), "--vocab", str(cli.vocab)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             sys.exit(f"case {case} failed:\n{done.stderr[-3000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{TOKENS} tokens, vocab {MODEL['vocab_size']:,}, hidden {MODEL['hidden_size']}, fp32, chunk {CHUNK}")
+    print(f"{cli.tokens} tokens, vocab {cli.vocab:,}, hidden {MODEL['hidden_size']}, fp32, chunk {CHUNK}")
     print(
         "| loss | ckpt | saved body MB | saved head+loss MB | saved total MB | head+loss share | planned MB | err "
         "| peak RSS growth MiB | step s |"
@@ -182,9 +188,12 @@ def main() -> None:
             f"share {full['head_and_loss_share']:.1%} -> {chunked['head_and_loss_share']:.1%}; peak RSS growth "
             f"{full['peak_rss_growth_mib']:.0f} -> {chunked['peak_rss_growth_mib']:.0f} MiB"
         )
+    within = all(abs(r["planned_error"]) <= 0.10 for r in rows)
+    print(f"planner within 10% of the saved bytes in all {len(rows)} cases: {within}")
     cli.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "model": MODEL}
-    cli.out.write_text(json.dumps({**meta, "tokens": TOKENS, "chunk_tokens": CHUNK, "cases": rows}, indent=1))
+    meta["model"] = {**MODEL, "vocab_size": cli.vocab}
+    cli.out.write_text(json.dumps({**meta, "tokens": cli.tokens, "chunk_tokens": CHUNK, "cases": rows}, indent=1))
     print(f"written {cli.out}")
 
 
