@@ -4,7 +4,8 @@ A Llama-architecture model with random weights (vocabulary 32,000, hidden 256, 4
 on all linear layers, dropout 0), batches of 4 random 256-token rows, AdamW. In one process, the two
 trainers alternate: each repetition builds the same model from the same seed and trains ``--steps``
 steps with one trainer, then with the other; the median step time of a repetition leaves out its first
-two steps. The figure is the median over repetitions of each side, and their ratio.
+two steps. The figure is the median over repetitions of each side, and their ratio. Every process runs
+one thread, so a shared machine's other work slows both sides alike as far as possible.
 
 - ``fsdp-peft``: `fsdp_peft.trainer.PeftFsdpTrainer` with everything it adds (memory and FSDP layout
   reports, adapter bookkeeping, the PEFT wrap policy under FSDP). ``--loss-chunk-tokens`` (default 0,
@@ -119,7 +120,7 @@ def alternate(cli) -> dict:
     """Both sides, alternating, ``cli.reps`` times; run by every rank."""
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // cli.world_size))
+    torch.set_num_threads(1)  # one thread per process: less at the mercy of other work on a shared machine
     times = {"fsdp-peft": [], "plain": []}
     with tempfile.TemporaryDirectory() as out:
         for rep in range(cli.reps):
@@ -168,7 +169,7 @@ def main() -> None:
     }
     results = []
     for world, command in launches.items():
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode:
             sys.exit(f"world size {world} failed:\n{done.stderr[-4000:]}")

@@ -64,7 +64,7 @@ class PeftFsdpTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training steps take the chunked loss (`fsdp_peft.loss`) when ``loss_chunk_tokens`` is set; evaluation,
         which returns logits, keeps the model's own."""
-        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs:
+        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs or self.compute_loss_func:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels, shift_labels = inputs["labels"], inputs.get("shift_labels")
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it
