@@ -88,8 +88,8 @@ class RecipeArguments:
         metadata={"help": "sdpa, eager, flash_attention_2/3, flex_attention, a hub kernel (org/name), or auto"},
     )
     loss_chunk_tokens: int = field(
-        default=512,
-        metadata={"help": "tokens per chunk of the chunked loss (full logits never held); 0: the model's own loss"},
+        default=0,
+        metadata={"help": "chunked loss: labelled tokens per chunk (no full logits), e.g. 512; 0: model's own loss"},
     )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
