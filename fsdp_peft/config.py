@@ -88,7 +88,7 @@ class RecipeArguments:
         metadata={"help": "sdpa, eager, flash_attention_2/3, flex_attention, a hub kernel (org/name), or auto"},
     )
     loss_chunk_tokens: int = field(
-        default=0,
+        default=512,
         metadata={"help": "chunked loss: labelled tokens per chunk (no full logits), e.g. 512; 0: model's own loss"},
     )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})

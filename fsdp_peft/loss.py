@@ -67,36 +67,35 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 class ChunkedHeadCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, ``chunk`` rows at a time.
 
-    The gradient of ``hidden`` is formed chunk by chunk in forward (softmax minus one-hot, times the
-    weight) and saved; backward scales it by the incoming gradient. The weight and bias are frozen.
+    Divided by ``denominator`` as the model's loss is. The gradient of ``hidden`` is formed chunk by chunk
+    in forward with the model's own ops (cross-entropy backward, then the head) and saved; backward scales
+    it by the incoming gradient. The weight and bias are frozen.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype, denominator):
         wants_grad = ctx.needs_input_grad[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            weight = weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        transient = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # a chunk's graph: freed here
+        with torch.autocast(hidden.device.type, enabled=False), torch.enable_grad(), transient:
+            weight = weight.detach().to(dtype)
+            bias = None if bias is None else bias.detach().to(dtype)
             for start in range(0, hidden.shape[0], chunk):
-                rows = hidden[start : start + chunk].to(dtype)
-                wanted = targets[start : start + chunk]
+                rows = hidden[start : start + chunk].detach().to(dtype).requires_grad_(wants_grad)
                 logits = F.linear(rows, weight, bias).float()
-                normalizer = torch.logsumexp(logits, dim=-1)
-                total += (normalizer - logits.gather(1, wanted[:, None]).squeeze(1)).sum()
-                if wants_grad:
-                    probabilities = logits.sub_(normalizer[:, None]).exp_()
-                    probabilities[torch.arange(len(wanted), device=wanted.device), wanted] -= 1
-                    grad_hidden[start : start + chunk] = probabilities.to(dtype) @ weight
-                del logits
+                loss = F.cross_entropy(logits, targets[start : start + chunk], reduction="sum") / denominator
+                if wants_grad:  # the model's own ops (log-softmax backward, then the head), on this chunk only
+                    (grad_hidden[start : start + chunk],) = torch.autograd.grad(loss, rows)
+                total += loss.detach()
+                del logits, loss
         ctx.save_for_backward(grad_hidden)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def chunked_causal_lm_loss(
@@ -113,14 +112,15 @@ def chunked_causal_lm_loss(
     targets = shifted_targets(labels, shift_labels).to(hidden.device)
     labelled = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled)
-    total = ChunkedHeadCrossEntropy.apply(
-        rows, weight, bias, targets.index_select(0, labelled), chunk_tokens, compute_dtype(hidden)
-    )
     if num_items_in_batch is None:
-        return total / labelled.numel()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        denominator = torch.tensor(float(labelled.numel()), device=hidden.device)
+    elif torch.is_tensor(num_items_in_batch):
+        denominator = num_items_in_batch.to(hidden.device)
+    else:
+        denominator = num_items_in_batch
+    return ChunkedHeadCrossEntropy.apply(
+        rows, weight, bias, targets.index_select(0, labelled), chunk_tokens, compute_dtype(hidden), denominator
+    )
 
 
 @contextlib.contextmanager

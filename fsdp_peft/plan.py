@@ -241,13 +241,12 @@ def activation_bytes(
 
 def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_bytes: int) -> int:
     """The loss's transient logits (not saved for backward). The model's own loss: the head output, its fp32
-    upcast (``c`` < 4) and the fp32 gradient, for every token. The chunked loss: one chunk's head output,
-    its fp32 copy (turned into probabilities in place) and their copy back in the compute dtype (``c`` < 4)."""
+    upcast (``c`` < 4) and the fp32 gradient, for every token. The chunked loss: for one chunk, all of
+    that and its fp32 log-softmax (the chunk's own small graph, freed before the next chunk)."""
     upcast = 4 if compute_bytes != 4 else 0
     if not chunk_tokens:
         return tokens * model_config.vocab_size * (compute_bytes + upcast + 4)
-    per_value = 4 if compute_bytes == 4 else 4 + 2 * compute_bytes
-    return min(chunk_tokens, tokens) * model_config.vocab_size * per_value
+    return min(chunk_tokens, tokens) * model_config.vocab_size * (compute_bytes + upcast + 8)
 
 
 def load_model_config(name: str, trust_remote_code: bool = False):
