@@ -104,6 +104,14 @@ class RecipeArguments:
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
+    attn_implementation: str = field(
+        default="auto",
+        metadata={"help": "sdpa, eager, flash_attention_2/3, flex_attention, a hub kernel (org/name), or auto"},
+    )
+    loss_chunk_tokens: int = field(
+        default=512,
+        metadata={"help": "chunked loss: labelled tokens per chunk (no full logits), e.g. 512; 0: model's own loss"},
+    )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
         default=True, metadata={"help": "render prompts with the tokenizer's chat template"}

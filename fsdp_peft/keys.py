@@ -55,6 +55,7 @@ def _fraction(closed_top: bool = False) -> tuple[Callable[[float], bool], str]:
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_alpha": _above(0),
     "lora_dropout": _fraction(),
+    "loss_chunk_tokens": _at_least(0),
     "per_device_train_batch_size": _at_least(1),
     "per_device_eval_batch_size": _at_least(1),
     "gradient_accumulation_steps": _at_least(1),
@@ -86,6 +87,7 @@ RANGE_HINTS = {
     "learning_rate": "e.g. 2e-4 for LoRA",
     "max_steps": "or remove it to train num_train_epochs",
     "lora_dropout": "e.g. 0.05",
+    "loss_chunk_tokens": "0 turns the chunked loss off",
     "warmup_steps": "a step count, or a fraction of the steps below 1",
 }
 

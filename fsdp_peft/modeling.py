@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled
+from fsdp_peft.attention import resolved_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
@@ -70,7 +71,8 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     """Load the base model on this rank's device through the ordinary ``from_pretrained`` path.
 
     Under FSDP2 with ``cpu_ram_efficient_loading`` it is a weightless skeleton instead: the weights
-    arrive, shard by shard from rank 0, once FSDP has sharded it (`fsdp_peft.loading`).
+    arrive, shard by shard from rank 0, once FSDP has sharded it (`fsdp_peft.loading`). Attention runs
+    the ``attn_implementation`` kernel (`fsdp_peft.attention`).
     """
     device = local_device()
     if low_memory_loading_requested(training):
@@ -86,6 +88,9 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
             device_map={"": device},
             trust_remote_code=recipe.trust_remote_code,
         )
+    attention = resolved_attention(recipe.attn_implementation)
+    if model.config._attn_implementation != attention:
+        model.set_attn_implementation(attention)
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
     return model

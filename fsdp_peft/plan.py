@@ -207,32 +207,49 @@ def optimizer_state_bytes(optim: str, adapter_shard_bytes: int, adapter_tensors:
     return 2 * adapter_shard_bytes + adapter_tensors * 4, note  # two moments + a 4-byte step per tensor
 
 
-def activation_bytes(model_config, recipe, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(
+    model_config, recipe, tokens: int, compute_bytes: int, checkpointing: bool, chunk_tokens: int | None = None
+) -> int:
     """Estimated activations saved for backward on one rank (memory-efficient attention, no seq² term).
 
     Per decoder layer per token (Llama-style: RMSNorm, attention with ``kv`` = KV width, SwiGLU MLP of
-    width ``i``): ``c·(4h + 2kv + 4i)`` bytes (``c`` = compute dtype bytes: both norm inputs, q, attention
-    output, k and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms'
-    fp32 upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0.
-    Checked once (2026-11-29, CPU) against the bytes autograd saves in a forward of the 134M benchmark
-    model without checkpointing: the layer term was 6-9% above them (fp32; bf16 with dropout).
-    With checkpointing, each layer keeps only its input (``c·h``) and one layer is recomputed at a time.
-    Logits: ``tokens x vocab x (c + 4 + 8)``: the head output, its fp32 upcast, the fp32 log-softmax and
-    its gradient.
+    width ``i``, LoRA on the linear layers): ``c·(6h + 2kv + 4i)`` bytes (``c`` = compute dtype bytes: both
+    norms' inputs and outputs (the adapters' inputs), q, the attention output and its copy into o_proj, k
+    and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms' fp32
+    upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0; and
+    ``c·h`` for the final norm's input. `benchmarks/activations.py` measures these against autograd's
+    saved tensors (fp32, 2026-12-01: body within 1%). With checkpointing, each layer keeps only its input
+    (``c·h``) and one layer is recomputed at a time.
+    Logits, saved: the fp32 log-softmax, ``tokens x vocab x 4``; the head output, its fp32 upcast and the
+    gradient are transient (`loss_logits_bytes`). With the chunked loss (``loss_chunk_tokens`` > 0,
+    `fsdp_peft.loss`) the saved part is ``tokens x (c·h + 8)``: the gradient of the hidden states and the
+    labelled rows' indices (every token counted as labelled). ``chunk_tokens`` overrides the recipe's
+    ``loss_chunk_tokens``.
     """
     h = model_config.hidden_size
     i = getattr(model_config, "intermediate_size", 4 * h)
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or h // heads
     kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
-    per_layer = compute_bytes * (4 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
+    per_layer = compute_bytes * (6 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
     if recipe.lora_dropout > 0:
         per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
     layers = model_config.num_hidden_layers
     body = tokens * (layers * compute_bytes * h + per_layer) if checkpointing else tokens * layers * per_layer
+    body += tokens * compute_bytes * h  # the final norm's input
+    if recipe.loss_chunk_tokens if chunk_tokens is None else chunk_tokens:
+        return body + tokens * (compute_bytes * h + 8)
+    return body + tokens * model_config.vocab_size * 4
+
+
+def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_bytes: int) -> int:
+    """The loss's transient logits (not saved for backward). The model's own loss: the head output, its fp32
+    upcast (``c`` < 4) and the fp32 gradient, for every token. The chunked loss: for one chunk, all of
+    that and its fp32 log-softmax (the chunk's own small graph, freed before the next chunk)."""
     upcast = 4 if compute_bytes != 4 else 0
-    logits = tokens * model_config.vocab_size * (compute_bytes + upcast + 8)
-    return body + logits
+    if not chunk_tokens:
+        return tokens * model_config.vocab_size * (compute_bytes + upcast + 4)
+    return min(chunk_tokens, tokens) * model_config.vocab_size * (compute_bytes + upcast + 8)
 
 
 def load_model_config(name: str, trust_remote_code: bool = False):
@@ -279,6 +296,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
     notes += [note] if note else []
+    if recipe.attn_implementation == "eager":
+        notes.append("attn_implementation: eager keeps seq x seq attention weights per layer; not counted")
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
@@ -319,6 +338,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
     plan.gpu["activations (est.)"] = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing)
+    plan.gpu["loss logits, transient (est.)"] = loss_logits_bytes(
+        model_config, recipe.loss_chunk_tokens, tokens, compute_bytes
+    )
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
@@ -340,6 +362,12 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
         saved = plan.gpu["activations (est.)"] - checkpointed
         found.append({"switch": "gradient_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
+    if not recipe.loss_chunk_tokens:
+        tokens, checkpointing = plan.tokens_per_rank, plan.activation_checkpointing
+        chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=512)
+        chunked += loss_logits_bytes(model_config, 512, tokens, compute_bytes)
+        saved = plan.gpu["activations (est.)"] + plan.gpu["loss logits, transient (est.)"] - chunked
+        found.append({"switch": "loss_chunk_tokens: 512 (chunked loss)", "saves": saved})
     if not plan.offload_params:
         found.append({"switch": "fsdp_offload_params: true (accelerate config)", "saves": sum(resident.values())})
     if not plan.load_in_4bit:  # 4 bits per value plus ~1.6% constants instead of torch_dtype

@@ -104,6 +104,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         data_collator=data_collator(recipe, tokenizer),
         processing_class=tokenizer,
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
+        loss_chunk_tokens=recipe.loss_chunk_tokens,
         callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
         recipe_config=dataclasses.asdict(recipe),
         run_id=run.run_id,

@@ -31,6 +31,7 @@ from fsdp_peft.fsdp import (
 from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
+from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes_loss
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
@@ -54,18 +55,33 @@ class PeftFsdpMixin:
         self,
         *args,
         fsdp_reduce_dtype: torch.dtype = torch.float32,
+        loss_chunk_tokens: int = 0,
         recipe_config: dict | None = None,
         run_id: str | None = None,
         callbacks=None,
         **kwargs,
     ):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.recipe_config = recipe_config or {}
         self.run_id = run_id
         # The layout report goes last: its forward hooks should only see training forwards.
         super().__init__(*args, callbacks=[*(callbacks or []), MemoryReport(), FsdpLayoutReport()], **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if loss_chunk_tokens and (reason := chunked_loss_unavailable(causal_lm_of(self.model), self.args)):
+            logger.info(f"loss_chunk_tokens: the model's own loss on full logits is used: {reason}")
+            self.loss_chunk_tokens = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Training steps take the chunked loss (`fsdp_peft.loss`) when ``loss_chunk_tokens`` is set; evaluation,
+        which returns logits, keeps the model's own."""
+        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs or self.compute_loss_func:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels, shift_labels = inputs["labels"], inputs.get("shift_labels")
+        items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it
+        with head_computes_loss(causal_lm_of(model), labels, self.loss_chunk_tokens, items, shift_labels):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_accelerator_and_postprocess(self):
         if cpu_fsdp_requested(self.args):

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from fsdp_peft.attention import attention_problem
 from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.errors import ConfigError
@@ -457,6 +458,10 @@ def _xla_route_can_run(recipe, training) -> str | None:
     return None
 
 
+def _attention_kernel_runs_here(recipe, training) -> str | None:
+    return attention_problem(recipe.attn_implementation)
+
+
 RULES: list[Callable] = [
     _fsdp_settings_resolve,
     _dtype_keys_are_known,
@@ -485,6 +490,7 @@ RULES: list[Callable] = [
     _precomputed_reference_sees_the_weights,
     _xla_route_can_run,
     *VARIANT_RULES,
+    _attention_kernel_runs_here,
 ]
 
 

@@ -347,6 +347,10 @@ INSTEAD: dict[str, Run] = {
         "python benchmarks/train_cpu.py --models tiny --methods lora --steps 1",
         why="10-20 minutes: the same benchmark on the tiny model, LoRA, 1 step",
     ),
+    "python benchmarks/activations.py": Run(
+        "python benchmarks/activations.py --tokens 128 --vocab 4096",
+        why="4 minutes: the same measurement and planner check on a 128-token, 4096-word shape",
+    ),
     "bash benchmarks/gpu_check.sh": Run(
         "bash benchmarks/gpu_check.sh --dry-run", why="needs a GPU: its documented CPU dry run, same code"
     ),
@@ -550,6 +554,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             assert sizes in outcome.stdout, outcome.stdout
     elif "benchmarks/gpu_check.sh" in command:
         assert "[gpu_check] results: " in output
+    elif "benchmarks/activations.py" in command:
+        assert "planner within 10% of the saved bytes in all 4 cases: True" in output
     elif "benchmarks/train_cpu.py" in command:
         assert "per-rank params+grads+optimizer, world size 2 / 1, tiny/lora: 0.500" in output
     for line in (line for text in documented for line in DOCUMENTED_OUTPUT.get(text, [])):

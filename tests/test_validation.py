@@ -88,6 +88,12 @@ CASES = {
         "model_name_or_path: directory not found: /no/model",
     ),
     "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
+    "_attention_kernel_runs_here": (
+        LORA_TINY,
+        {},
+        ["--attn_implementation", "flash_attention_2"],
+        "attn_implementation: flash_attention_2 runs on CUDA GPUs only and this machine has none; or use sdpa",
+    ),
     "_data_settings_are_known": (
         LORA_TINY,
         {},
