@@ -218,10 +218,13 @@ def write_checkpoint(directory: Path, config, tokenizer) -> None:
     """Weights from the seed, as ``model.safetensors`` next to config, generation config and tokenizer.
 
     Written with safetensors directly rather than ``save_pretrained``, which writes on global rank 0
-    only: every rank (and every node) may need to build its own copy.
+    only: every rank (and every node) may need to build its own copy. The global random state is left as it
+    was: a recipe that builds the model on first use, after seeding, must draw the same LoRA init as one that
+    finds it built (and every rank the same, whichever ranks built it).
     """
-    torch.manual_seed(WEIGHTS_SEED)
-    model = getattr(transformers, config.architectures[0])(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(WEIGHTS_SEED)
+        model = getattr(transformers, config.architectures[0])(config)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # stored once, as the embedding

@@ -73,16 +73,6 @@ class PeftFsdpMixin:
             logger.info(f"loss_chunk_tokens: the model's own loss on full logits is used: {reason}")
             self.loss_chunk_tokens = 0
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Training steps take the chunked loss (`fsdp_peft.loss`) when ``loss_chunk_tokens`` is set; evaluation,
-        which returns logits, keeps the model's own."""
-        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs or self.compute_loss_func:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels, shift_labels = inputs["labels"], inputs.get("shift_labels")
-        items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it
-        with head_computes_loss(causal_lm_of(model), labels, self.loss_chunk_tokens, items, shift_labels):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
     def create_accelerator_and_postprocess(self):
         if cpu_fsdp_requested(self.args):
             skip_sync_module_states(self.args)
@@ -204,6 +194,16 @@ class PeftFsdpMixin:
 
 class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
     """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Training steps take the chunked loss (`fsdp_peft.loss`) when ``loss_chunk_tokens`` is set; evaluation,
+        which returns logits, keeps the model's own."""
+        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs or self.compute_loss_func:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels, shift_labels = inputs["labels"], inputs.get("shift_labels")
+        items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it
+        with head_computes_loss(causal_lm_of(model), labels, self.loss_chunk_tokens, items, shift_labels):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 LAYOUT_FILE = "fsdp_peft_layout.json"

@@ -60,3 +60,13 @@ def test_weights_are_built_from_the_seed_and_load_through_from_pretrained(tiny_m
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 4
     assert torch.equal(model.model.embed_tokens.weight, first["model.embed_tokens.weight"])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging directory left behind
+
+
+def test_building_a_tiny_model_leaves_the_global_random_state_alone(tmp_path):
+    from fsdp_peft.tiny import TINY_MODEL_NAME, write_tiny_model
+
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    write_tiny_model(TINY_MODEL_NAME, tmp_path)
+    assert torch.equal(torch.rand(4), expected)
