@@ -107,6 +107,14 @@ def parse_preference_config(argv: list[str], default_config: Path, default_outpu
             "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
             "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
         )
+    if settings is not None and recipe.load_in_4bit and training.gradient_accumulation_steps > 1:
+        # Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
+        # "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine).
+        raise ConfigError(
+            f"gradient_accumulation_steps: {training.gradient_accumulation_steps} with load_in_4bit under FSDP "
+            "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
+            "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
+        )
     return recipe, training
 
 

@@ -371,3 +371,20 @@ def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     with pytest.raises(ConfigError, match=r"^PJRT_DEVICE=TPU: the preference recipes do not run on XLA"):
         parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
+
+
+def test_qlora_with_gradient_accumulation_under_fsdp_is_refused_with_one_line(monkeypatch, tmp_path):
+    from fsdp_peft.preference import parse_preference_config
+
+    for key, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    }.items():
+        monkeypatch.setenv(key, value)
+    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+    argv = ["--output_dir", str(tmp_path), "--gradient_accumulation_steps", "2"]
+    with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails"):
+        parse_preference_config([*argv, "--load_in_4bit", "true", "--bf16", "true"], config, str(tmp_path))
+    recipe, training = parse_preference_config(argv, config, str(tmp_path))  # LoRA accumulates fine
+    assert training.gradient_accumulation_steps == 2 and not recipe.load_in_4bit
