@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from datasets import load_from_disk
-from transformers import TrainerCallback, set_seed
+from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from fsdp_peft.config import RecipeArguments
@@ -30,11 +30,15 @@ from fsdp_peft.export import export_merged
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.log import configure_for_training, logger
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.recipe import LOSS_CURVE_FILE, last_logged, parse_recipe_config, plot_loss_curve, resume_point
-from fsdp_peft.runs import start_run
-from fsdp_peft.trainer import PeftFsdpMixin, check_resumable
+from fsdp_peft.recipe import (
+    LOSS_CURVE_FILE,
+    last_logged,
+    parse_recipe_config,
+    plot_loss_curve,
+    start_training,
+)
+from fsdp_peft.trainer import PeftFsdpMixin
 from fsdp_peft.validation import KTO_LOSS_TYPES
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla
 
@@ -257,14 +261,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
         sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}"
     )
     configure_for_training(training)
-    run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
-    checkpoint = resume_point(training)
-    if checkpoint is not None:
-        check_resumable(Path(checkpoint), training, run.run_id)
-        logger.info(f"resuming from {checkpoint}")
-    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
-    tokenizer = load_tokenizer(recipe)
-    model = attach_lora(load_base_model(recipe, training), recipe, training)
+    run, checkpoint, tokenizer, model = start_training(recipe, training)
     unpaired = is_unpaired(recipe)
     train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
     if recipe.precompute_ref_log_probs:

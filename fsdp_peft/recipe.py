@@ -72,6 +72,20 @@ def parse_recipe_config(
     return recipe_args, training_args
 
 
+def start_training(recipe: RecipeArguments, training: TrainingArguments):
+    """Claim the output directory, find and check the checkpoint to resume, seed, then load tokenizer and model
+    with adapters: the start every recipe shares. Returns ``(run, checkpoint, tokenizer, model)``."""
+    run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
+    checkpoint = resume_point(training)
+    if checkpoint is not None:
+        check_resumable(Path(checkpoint), training, run.run_id)
+        logger.info(f"resuming from {checkpoint}")
+    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
+    tokenizer = load_tokenizer(recipe)
+    model = attach_lora(load_base_model(recipe, training), recipe, training)
+    return run, checkpoint, tokenizer, model
+
+
 def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
     started = time.monotonic()
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
@@ -83,14 +97,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
             f"trust_remote_code: true: running Python code from the repository of "
             f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust"
         )
-    run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
-    checkpoint = resume_point(training)
-    if checkpoint is not None:
-        check_resumable(Path(checkpoint), training, run.run_id)
-        logger.info(f"resuming from {checkpoint}")
-    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
-    tokenizer = load_tokenizer(recipe)
-    model = attach_lora(load_base_model(recipe, training), recipe, training)
+    run, checkpoint, tokenizer, model = start_training(recipe, training)
     if recipe.packing:
         check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
     train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
