@@ -21,7 +21,13 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from fsdp_peft.xla import on_xla
+
 IGNORE_INDEX = -100
+ON_XLA = (
+    "XLA: dropping unlabelled tokens gives every batch its own shapes (a graph compile per step), and the "
+    "Trainer's SPMD wrapper shards the logits the model returns"
+)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
@@ -33,6 +39,8 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
 
 def chunked_loss_unavailable(causal_lm: torch.nn.Module, args) -> str | None:
     """Why the chunked loss would not equal this model's own loss under ``args``; ``None`` when it would."""
+    if on_xla():
+        return ON_XLA
     if getattr(args, "label_smoothing_factor", 0):
         return "label_smoothing_factor > 0 (Trainer's label smoother needs the full logits)"
     if getattr(args, "use_liger_kernel", False):

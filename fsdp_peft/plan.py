@@ -30,6 +30,7 @@ from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_c
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
+from fsdp_peft.loss import ON_XLA
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.validation import mixed_precision_dtype
@@ -313,6 +314,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         fsdp, xla_checkpointing, tokens = xla
         checkpointing = checkpointing or xla_checkpointing
         notes = [note for note in notes if not note.startswith("no FSDP settings")]
+        if recipe.loss_chunk_tokens:
+            notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {ON_XLA}")
     plan = MemoryPlan(
         config=str(config_path),
         model=recipe.model_name_or_path,
@@ -337,10 +340,11 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     if recipe.load_in_4bit:  # one weight dequantized for its matmul
         gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
-    plan.gpu["activations (est.)"] = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing)
-    plan.gpu["loss logits, transient (est.)"] = loss_logits_bytes(
-        model_config, recipe.loss_chunk_tokens, tokens, compute_bytes
+    chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens  # XLA: the model's own loss (fsdp_peft.loss)
+    plan.gpu["activations (est.)"] = activation_bytes(
+        model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=chunk_tokens
     )
+    plan.gpu["loss logits, transient (est.)"] = loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
@@ -362,7 +366,7 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
         saved = plan.gpu["activations (est.)"] - checkpointed
         found.append({"switch": "gradient_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
-    if not recipe.loss_chunk_tokens:
+    if not recipe.loss_chunk_tokens and not plan.fsdp.startswith("XLA"):
         tokens, checkpointing = plan.tokens_per_rank, plan.activation_checkpointing
         chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=512)
         chunked += loss_logits_bytes(model_config, 512, tokens, compute_bytes)

@@ -91,7 +91,7 @@ def test_the_head_computes_the_loss_inside_the_model_forward_and_is_restored():
     assert model(input_ids=input_ids).logits.shape == (2, 20, 300)
 
 
-def test_the_model_loss_is_kept_where_chunking_would_change_it():
+def test_the_model_loss_is_kept_where_chunking_would_change_it(monkeypatch):
     config = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )
@@ -103,6 +103,9 @@ def test_the_model_loss_is_kept_where_chunking_would_change_it():
     model.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping" in chunked_loss_unavailable(model, plain)
     model.config.final_logit_softcapping = None
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # XLA: per-batch shapes; the SPMD wrapper shards the logits
+    assert chunked_loss_unavailable(model, plain).startswith("XLA: ")
+    monkeypatch.delenv("PJRT_DEVICE")
     model.lm_head.weight.requires_grad_(True)
     assert "trains" in chunked_loss_unavailable(model, plain)
 
