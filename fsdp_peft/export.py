@@ -1,9 +1,13 @@
 """Merged full-weight export: a base checkpoint plus a LoRA adapter, as a plain Hugging Face model directory.
 
 The base safetensors are streamed tensor by tensor (plain reads, not memory maps: `fsdp_peft.safetensors_io`);
-each adapted weight gets ``W + scale * B @ A`` (computed in fp32, rounded once to the output dtype) and
-output shards are written as they fill, so peak host memory is about the largest tensor plus the adapter,
-whatever the model and shard size. The merge is
+each adapted weight gets ``W + scale * B @ A`` (computed in fp32 in reused buffers, `fsdp_peft.merge`, rounded
+once to the output dtype) and output shards are written as they fill by a thread, overlapping the next
+tensor's read and merge. Peak host memory is a few tensors plus the adapter, whatever the model and shard
+size. It imports torch, not transformers, peft or bitsandbytes (seconds of start-up each): config,
+generation config and tokenizer files are copied from the base; transformers' config class is consulted only
+when the base's config.json does not state every field the adapter's base record holds, and ``--verify`` and
+``--base-variant nf4`` load what they need. The merge is
 always onto the 16-bit base, never into re-quantized 4-bit weights; ``base_variant="nf4"`` instead
 merges onto the NF4 round trip of the base, the weights a QLoRA adapter was trained against.
 
@@ -32,29 +36,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import bitsandbytes.functional as bnb_functional
 import torch
-import torch.distributed.checkpoint as dcp
-from huggingface_hub import snapshot_download
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors import safe_open
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
+from fsdp_peft.merge import Scratch, WeightUpdate, adapter_updates, init_reads_base_weights
 from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
     StreamingShardWriter,
     base_tensor_files,
+    behind,
     parse_size,
     read_header,
     read_tensors,
 )
-from fsdp_peft.variants import WeightUpdate, adapter_updates, init_reads_base_weights
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECIPE_FILE = "fsdp_peft_recipe.json"
@@ -85,6 +84,20 @@ ADAPTER_SOURCES = (
     f"a Trainer checkpoint ({DCP_DIR}/), or a training output_dir (adapter/ or checkpoint-N/)"
 )
 UNSUPPORTED_ADAPTER_KEYS = ("layers_to_transform",)
+# Copied from the base next to the merged weights: generation config, tokenizer and processor files.
+MODEL_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "*.model",
+    "*.tiktoken",
+    "vocab*",
+    "merges.txt",
+    "chat_template*",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 
 @dataclass
@@ -124,6 +137,9 @@ def _check_adapter_config(config: dict, origin: Path) -> None:
 
 def read_sharded_adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Adapter tensors from a Trainer checkpoint's sharded FSDP state (DCP), without a process group."""
+    import torch.distributed.checkpoint as dcp  # lazy: only checkpoints need it (0.8 s of the export's start)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: as above
+
     reader = dcp.FileSystemReader(str(checkpoint / DCP_DIR))
     metadata = reader.read_metadata().state_dict_metadata
     state = {
@@ -180,6 +196,8 @@ def resolve_base(adapter: Adapter, base: str | None) -> Path:
         return Path(name)
     if Path(name).exists() or name.startswith(("/", "./", "../")):
         raise ConfigError(f"--base: directory not found: {name}")
+    from huggingface_hub import snapshot_download  # lazy: only a hub id needs it
+
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
 
 
@@ -238,6 +256,19 @@ def base_record(config) -> dict:
     return {"architecture": architecture, "model_type": config.model_type, "fingerprint": fingerprint, "fields": fields}
 
 
+def raw_config_record(config: dict) -> dict | None:
+    """`base_record`'s architecture, model_type and fields read from a config.json as written, without the
+    config class's defaults; ``None`` for a composite config (sub-configs: the class decides which is text)."""
+    if any(isinstance(value, dict) and "model_type" in value for value in config.values()):
+        return None
+    fields = {"model_type": config.get("model_type")}
+    for name in BASE_FINGERPRINT_FIELDS:
+        if isinstance(config.get(name), (bool, int, float, str)):
+            fields[name] = config[name]
+    architecture = (config.get("architectures") or [None])[0]
+    return {"architecture": architecture, "model_type": config.get("model_type"), "fields": fields}
+
+
 def write_base_record(config, directory: Path) -> None:
     """Record the base an adapter is trained on next to it, so export and generate can check theirs."""
     (Path(directory) / BASE_FILE).write_text(json.dumps(base_record(config), indent=1, sort_keys=True))
@@ -272,6 +303,11 @@ def check_trained_base(adapter: Adapter, base_dir: Path, allow_mismatch: bool = 
         return
     if not (base_dir / "config.json").is_file():
         raise ConfigError(f"--base: {base_dir} has no config.json; pass the model directory the adapter was trained on")
+    config = json.loads((base_dir / "config.json").read_text())
+    if raw_config_record(config) == {key: adapter.base.get(key) for key in ("architecture", "model_type", "fields")}:
+        return  # its config.json states every field as trained: no config class (transformers) needed
+    from transformers import AutoConfig  # lazy: the class's defaults decide; start-up seconds otherwise spared
+
     problem = base_mismatch(adapter.base, base_record(AutoConfig.from_pretrained(base_dir)), str(base_dir))
     if problem is None:
         return
@@ -366,6 +402,8 @@ def remove_stale_staging(out: Path) -> int:
 
 def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
     """The weight as QLoRA training saw it: cast to the load dtype, 4-bit quantized, dequantized."""
+    import bitsandbytes.functional as bnb_functional  # lazy: only --base-variant nf4 needs it (seconds to import)
+
     load_dtype = getattr(torch, recipe.get("torch_dtype", "bfloat16"))
     storage = getattr(torch, recipe.get("bnb_4bit_quant_storage", "bfloat16"))
     packed, state = bnb_functional.quantize_4bit(
@@ -401,16 +439,22 @@ def _keys_by_file(base_files: dict[str, Path]) -> dict[Path, list[str]]:
     return by_file
 
 
-def merged_tensors(base_files: dict[str, Path], adapter: Adapter, base_variant: str, progress: bool):
-    """Yield ``(key, merged fp32 tensor)`` for every base tensor, reading one tensor at a time."""
+def merged_tensors(
+    base_files: dict[str, Path], adapter: Adapter, base_variant: str, out_dtype: torch.dtype, progress: bool
+):
+    """Yield ``(key, merged tensor in out_dtype)`` for every base tensor, reading one tensor at a time (merged
+    in fp32, rounded once); each yielded tensor is the caller's own (no scratch buffer)."""
     updates = adapter.updates_by_base_key()
+    scratch = Scratch()
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
         for path, keys in _keys_by_file(base_files).items():
             for key, tensor in read_tensors(path, keys):
                 if base_variant == "nf4" and is_quantized_in_training(key, tensor):
                     tensor = nf4_round_trip(tensor, adapter.recipe)
                 if key in updates:
-                    tensor = updates[key].apply(tensor)
+                    tensor = updates[key].apply(tensor, scratch).to(out_dtype, copy=True)
+                elif tensor.is_floating_point():
+                    tensor = tensor.to(out_dtype)
                 yield key, tensor
                 bar.update()
 
@@ -463,25 +507,36 @@ def export_merged(
     remove_stale_staging(out)
     with publish_directory(out, replace=overwrite) as staging, writer_lock(staging):
         writer = StreamingShardWriter(staging, output_layout(files, out_dtype), max_bytes)
-        for key, tensor in merged_tensors(files, adapter, base_variant, progress):
-            writer.write(key, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
+        with behind(writer.write) as write:  # writes overlap with the next tensor's read and merge
+            for key, tensor in merged_tensors(files, adapter, base_variant, out_dtype, progress):
+                write(key, tensor)
         writer.finish()
-        config = AutoConfig.from_pretrained(base_dir)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = out_dtype
-        config.save_pretrained(staging)
-        try:
-            GenerationConfig.from_pretrained(base_dir).save_pretrained(staging)
-        except OSError:
-            GenerationConfig.from_model_config(config).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(base_dir).save_pretrained(staging)
+        write_model_files(base_dir, staging, out_dtype)
         (staging / "README.md").write_text(model_card(adapter, base_dir, dtype, base_variant))
         if adapter.recipe:  # how prompts were rendered in training, for `fsdp-peft generate`
             (staging / RECIPE_FILE).write_text(json.dumps(adapter.recipe, indent=1, sort_keys=True))
         if verify:
             print(verify_export(staging, adapter, base_dir, base_variant, dtype))
     return out
+
+
+def write_model_files(base_dir: Path, staging: Path, out_dtype: torch.dtype) -> None:
+    """The base's config.json without quantization and with the output dtype, and its generation config,
+    tokenizer and processor files as they are (what ``from_pretrained`` reads next to the weights). Copied
+    as files, not through transformers' classes: the export runs without importing them, and the files stay
+    those the base ships (loadable wherever the base loads)."""
+    config = json.loads((base_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    dtype = str(out_dtype).removeprefix("torch.")
+    config["dtype"] = dtype
+    if "torch_dtype" in config:  # the older spelling, kept in step for older transformers
+        config["torch_dtype"] = dtype
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    copied = {path.name: path for pattern in MODEL_SIDE_FILES for path in base_dir.glob(pattern) if path.is_file()}
+    for name, path in sorted(copied.items()):
+        shutil.copyfile(path, staging / name)
+    if not any(name.startswith(("tokenizer", "vocab")) or name.endswith(".model") for name in copied):
+        tell(f"warning: base {base_dir} has no tokenizer files; the export has none either")
 
 
 def merged_onto(adapter: Adapter, base_variant: str) -> str:
@@ -524,6 +579,9 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
 
 def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_variant: str, dtype: str) -> str:
     """Reload the export and compare its logits with base + adapter (fp32) on a few prompts."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict  # lazy: only --verify needs peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as above (model code)
+
     tokenizer = AutoTokenizer.from_pretrained(directory)
     prompts = ["The capital of France is", "reverse: abcde", "def fibonacci(n):"]
     merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

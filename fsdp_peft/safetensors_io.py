@@ -4,15 +4,20 @@
 which keeps every page read so far resident); `base_tensor_files` maps a checkpoint directory's keys to
 its files; `StreamingShardWriter` writes shards in a layout planned up front, one tensor at a time.
 `parse_size` reads sizes as users write them (``5GB``, ``2GiB``): shard sizes, GPU memory, gather budgets.
-Export and low-memory loading stream checkpoints through here.
+`behind` moves writes to a thread, so that file writes (which release the GIL) overlap with the caller's
+work. Export and low-memory loading stream checkpoints through here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import queue
 import re
+import threading
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -33,6 +38,7 @@ SAFETENSORS_DTYPES = {
 
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_END = object()
 
 
 def parse_size(text: str, key: str = "--max-shard-size") -> int:
@@ -65,18 +71,55 @@ def read_tensors(path: Path, keys: list[str]):
     """Yield ``(key, tensor)`` from a safetensors file with plain reads, one tensor in memory at a time.
 
     Memory-mapping (``safe_open``) would keep every page read so far resident for as long as the file
-    is open, which on a multi-gigabyte shard is most of the export's memory.
+    is open, which on a multi-gigabyte shard is most of the export's memory. Each tensor's bytes are read
+    straight into its own storage (no intermediate copy).
     """
-    with open(path, "rb") as handle:
+    with open(path, "rb", buffering=0) as handle:
         header_size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(header_size))
         for key in keys:
             entry = header[key]
             start, end = entry["data_offsets"]
+            data = torch.empty(end - start, dtype=torch.uint8)
             handle.seek(8 + header_size + start)
-            data = bytearray(handle.read(end - start))
-            tensor = torch.frombuffer(data, dtype=SAFETENSORS_DTYPES[entry["dtype"]]) if data else torch.empty(0)
-            yield key, tensor.reshape(entry["shape"])
+            view, done = memoryview(data.numpy()), 0
+            while done < len(view):  # a raw read may return fewer bytes than asked
+                got = handle.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"{path}: file ends inside tensor {key} (truncated checkpoint)")
+                done += got
+            yield key, data.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+@contextlib.contextmanager
+def behind(write: Callable[..., None], depth: int = 1) -> Iterator[Callable[..., None]]:
+    """A ``put(*args)`` that hands ``write(*args)`` to a thread, at most ``depth`` calls waiting; leaving the
+    block waits for every call to finish. A failed write is raised by the next ``put`` or on leaving."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    failed: list[BaseException] = []
+
+    def consume() -> None:
+        while (args := slots.get()) is not _END:
+            if not failed:  # after a failure, drain without writing so that ``put`` never blocks for ever
+                try:
+                    write(*args)
+                except BaseException as error:
+                    failed.append(error)
+
+    def put(*args) -> None:
+        if failed:
+            raise failed[0]
+        slots.put(args)
+
+    thread = threading.Thread(target=consume, name="fsdp-peft-write-behind", daemon=True)
+    thread.start()
+    try:
+        yield put
+    finally:
+        slots.put(_END)
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def base_tensor_files(base: Path) -> dict[str, Path]:
@@ -138,7 +181,8 @@ class StreamingShardWriter:
             )
         if self.position == 0 or shard != self.order[self.position - 1][0]:
             self._open(shard)
-        self.handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        if tensor.numel():  # the tensor's own bytes, not a copy
+            self.handle.write(tensor.contiguous().view(torch.uint8).numpy())
         self.total += tensor.numel() * tensor.element_size()
         self.position += 1
 

@@ -8,6 +8,10 @@ they are created from a fixed seed and written once to a local cache as an ordin
 checkpoint, so that loading, 4-bit quantization and everything after it run exactly the code a hub
 model runs. Where they are written, and when (on first use), is `fsdp_peft.paths.tiny_model_path`.
 
+LAZY: the functions that build import transformers, tokenizers and safetensors themselves: the names and
+constants here are read by `fsdp_peft.paths` on every export, which must not pay seconds of imports for
+model code it does not run.
+
 Regenerate the shipped assets (deterministic, byte-identical) with::
 
     python -m fsdp_peft.tiny --write-assets
@@ -22,17 +26,6 @@ import string
 from pathlib import Path
 
 import torch
-import transformers
-from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    CONFIG_MAPPING,
-    AutoConfig,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-)
 
 from fsdp_peft.families import tiny_family
 
@@ -112,6 +105,9 @@ TINY_MODEL_NAMES = (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)
 
 def build_tokenizer():
     """A byte-level tokenizer: one token per byte plus special and role tokens, with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # lazy: see LAZY
+    from transformers import PreTrainedTokenizerFast  # lazy: see LAZY
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(alphabet)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -130,6 +126,8 @@ def build_tokenizer():
 
 def build_config(tokenizer):
     """The tiny model's ``LlamaConfig``, with vocabulary and special token ids taken from the tokenizer."""
+    from transformers import LlamaConfig  # lazy: see LAZY
+
     fields = {key: value for key, value in TINY_CONFIG.items() if key not in ("architectures", "model_type")}
     return LlamaConfig(
         **fields,
@@ -192,6 +190,8 @@ def write_assets(assets: Path = ASSETS) -> None:
 
 def build_family_config(name: str, tokenizer):
     """The config of tiny model ``name`` (not the Llama: its config ships in the assets)."""
+    from transformers import CONFIG_MAPPING  # lazy: see LAZY
+
     family = tiny_family(name)
     return CONFIG_MAPPING[family.model_types[0]](
         **TINY_FAMILY_CONFIGS[name],
@@ -205,6 +205,8 @@ def build_family_config(name: str, tokenizer):
 
 def write_tiny_model(name: str, directory: Path) -> None:
     """Tiny model ``name`` (tokenizer, config, weights from the seed) written into ``directory``."""
+    from transformers import AutoConfig, AutoTokenizer  # lazy: see LAZY
+
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS)
     config = (
         AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
@@ -222,6 +224,10 @@ def write_checkpoint(directory: Path, config, tokenizer) -> None:
     was: a recipe that builds the model on first use, after seeding, must draw the same LoRA init as one that
     finds it built (and every rank the same, whichever ranks built it).
     """
+    import transformers  # lazy: see LAZY
+    from safetensors.torch import save_file  # lazy: see LAZY
+    from transformers import GenerationConfig  # lazy: see LAZY
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHTS_SEED)
         model = getattr(transformers, config.architectures[0])(config)

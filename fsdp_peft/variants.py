@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
-from dataclasses import dataclass, field
 
 import torch
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings
+from fsdp_peft.merge import init_reads_base_weights
 
 INIT_CHOICES = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "eva")
-FROM_BASE_WEIGHTS = ("pissa", "olora", "loftq")  # initialisations that read (and change) the base weights
 LOFTQ_BITS = (2, 4, 8)
 EMBEDDING_NAMES = ("embed_tokens", "wte", "word_embeddings")
 
@@ -29,11 +27,6 @@ EMBEDDING_NAMES = ("embed_tokens", "wte", "word_embeddings")
 def init_lora_weights(value: str) -> bool | str:
     """peft's ``init_lora_weights`` for the recipe value: ``default`` is peft's own default (``True``)."""
     return True if value == "default" else value
-
-
-def init_reads_base_weights(value: str) -> bool:
-    """PiSSA (any ``pissa_niter_N``), OLoRA and LoftQ derive the adapter from the base weights."""
-    return value.split("_niter_")[0] in FROM_BASE_WEIGHTS
 
 
 def parse_pattern(value, key: str) -> dict:
@@ -259,92 +252,6 @@ def stored_weight(module: torch.nn.Module | None) -> torch.Tensor | None:
             None,
         )
     return None
-
-
-@dataclass
-class WeightUpdate:
-    """What an adapter does to one base tensor, in peft's ``merge_and_unload`` order: the LoRA delta
-    (``scale * B @ A``, transposed for an embedding), then DoRA's magnitude over the row norms of
-    ``W + delta``; or the trained copy of a ``modules_to_save`` module; or trained token rows."""
-
-    lora_a: torch.Tensor | None = None
-    lora_b: torch.Tensor | None = None
-    embedding: bool = False
-    scale: float = 1.0
-    magnitude: torch.Tensor | None = None
-    replacement: torch.Tensor | None = None
-    token_indices: list[int] = field(default_factory=list)
-    token_rows: torch.Tensor | None = None
-
-    def delta_shape(self) -> tuple[int, int]:
-        rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
-        return (columns, rows) if self.embedding else (rows, columns)
-
-    def apply(self, weight: torch.Tensor) -> torch.Tensor:
-        """The merged fp32 tensor for base tensor ``weight``."""
-        if self.replacement is not None:
-            return self.replacement.float()
-        merged = weight.float()
-        if self.lora_a is not None:
-            delta = self.lora_b.float() @ self.lora_a.float()
-            delta = (delta.T if self.embedding else delta) * self.scale
-            merged = merged + delta
-            if self.magnitude is not None:  # DoRA: the norm is taken of W + delta, as peft's merge_safe does
-                norm = torch.linalg.norm(merged, dim=1)
-                merged = (self.magnitude.float() / norm).view(-1, 1) * merged
-        if self.token_rows is not None:
-            merged = merged.index_copy(0, torch.tensor(self.token_indices), self.token_rows.float())
-        return merged
-
-
-def _pattern_value(pattern: dict, module: str, default: float) -> float:
-    """peft's pattern lookup (``get_pattern_key``): the first key matching the end of the module name."""
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _token_indices(config: dict, module: str) -> list[int]:
-    indices = config.get("trainable_token_indices") or []
-    if isinstance(indices, dict):
-        indices = next((v for k, v in indices.items() if re.match(rf"(.*\.)?({k})$", module)), [])
-    return list(indices)
-
-
-def adapter_updates(tensors: dict[str, torch.Tensor], config: dict, origin) -> dict[str, WeightUpdate]:
-    """``{base tensor key: WeightUpdate}`` from an adapter's tensors (peft names, prefix removed)."""
-    updates: dict[str, WeightUpdate] = {}
-    saved_modules = tuple(config.get("modules_to_save") or ())
-    for key, tensor in tensors.items():
-        if match := re.fullmatch(r"(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key):
-            update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
-            update.embedding = match[2].startswith("embedding")
-            setattr(update, "lora_a" if match[2].endswith("A") else "lora_b", tensor)
-        elif match := re.fullmatch(r"(.+)\.lora_magnitude_vector(?:\.weight)?", key):
-            updates.setdefault(f"{match[1]}.weight", WeightUpdate()).magnitude = tensor
-        elif match := re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key):
-            update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
-            update.token_rows, update.token_indices = tensor, _token_indices(config, match[1])
-        elif (match := re.fullmatch(r"(.+?)(?:\.modules_to_save)?\.(\w+)", key)) and match[1].endswith(saved_modules):
-            updates.setdefault(f"{match[1]}.{match[2]}", WeightUpdate()).replacement = tensor
-        else:
-            raise ConfigError(f"{origin}: adapter tensor '{key}' is none of the LoRA variants export merges")
-    for name, update in updates.items():
-        module = name.rsplit(".", 1)[0]
-        if (update.lora_a is None) != (update.lora_b is None) or (
-            update.magnitude is not None and update.lora_a is None
-        ):
-            raise ConfigError(f"{origin}: adapter has an incomplete LoRA pair (A, B, magnitude) for {name}")
-        if update.magnitude is not None and update.embedding:
-            raise ConfigError(f"{origin}: DoRA on an embedding layer ({module}) is not supported by export yet")
-        if update.token_rows is not None and len(update.token_indices) != update.token_rows.shape[0]:
-            raise ConfigError(f"{origin}: trainable_token_indices of {module} do not match its trained rows")
-        if update.lora_a is not None:
-            r = update.lora_a.shape[0]
-            alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
-            update.scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return updates
 
 
 def trained_copies_compute_in_the_model_dtype(peft_model, dtype: torch.dtype) -> None:

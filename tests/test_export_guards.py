@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,6 +249,43 @@ def test_the_recorded_base_exports_and_generates_without_a_note(adapter, tiny_mo
     assert generated.returncode == 0, generated.stderr[-3000:]
     for result in (exported, generated):
         assert not stderr_lines(result.stderr, "[fsdp-peft] note:") and not stderr_lines(result.stderr, "warning:")
+
+
+IMPORTS_AFTER_EXPORT = """
+import json, sys
+from fsdp_peft.export import export_merged
+export_merged(sys.argv[1], sys.argv[2], base=sys.argv[3], dtype="fp32", progress=False)
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"transformers", "peft", "bitsandbytes"})))
+"""
+
+
+def test_export_runs_without_transformers_unless_the_config_leaves_a_field_to_the_class(
+    adapter, tiny_model_dir, tmp_path
+):
+    """The base's config.json states every recorded field: no transformers, peft or bitsandbytes is imported,
+    and the copied config, generation config and tokenizer load as the base's. A config.json that leaves
+    ``mlp_bias`` to the class default is checked through transformers' config class, and accepted."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "out"
+    result = run_command([sys.executable, "-c", IMPORTS_AFTER_EXPORT, str(adapter), str(out), str(tiny_model_dir)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    exported, base = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(tiny_model_dir)
+    assert exported.dtype == torch.float32 and base_record(exported) == base_record(base)
+    assert GenerationConfig.from_pretrained(out).to_dict() == GenerationConfig.from_pretrained(tiny_model_dir).to_dict()
+    text = "<|user|>reverse: hello<|end|>"
+    ids = [AutoTokenizer.from_pretrained(directory)(text)["input_ids"] for directory in (out, tiny_model_dir)]
+    assert ids[0] == ids[1] and len(ids[0]) > 3
+
+    sparse = tmp_path / "sparse_base"
+    shutil.copytree(tiny_model_dir, sparse)
+    config = json.loads((sparse / "config.json").read_text())
+    assert config.pop("mlp_bias") is False
+    (sparse / "config.json").write_text(json.dumps(config))
+    result = run_command([sys.executable, "-c", IMPORTS_AFTER_EXPORT, str(adapter), str(tmp_path / "o2"), str(sparse)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["transformers"]
 
 
 def test_adapter_without_a_record_is_accepted_with_one_note(adapter, tiny_model_dir, tmp_path, capsys):
