@@ -452,11 +452,27 @@ def merged_tensors(
                 if base_variant == "nf4" and is_quantized_in_training(key, tensor):
                     tensor = nf4_round_trip(tensor, adapter.recipe)
                 if key in updates:
-                    tensor = updates[key].apply(tensor, scratch).to(out_dtype, copy=True)
+                    merged = updates[key].apply(tensor, scratch)
+                    if tensor.dtype == out_dtype and tensor.shape == merged.shape:  # the read tensor is ours: reuse it
+                        tensor = tensor.copy_(merged)
+                    else:
+                        tensor = merged.to(out_dtype, copy=True)
                 elif tensor.is_floating_point():
                     tensor = tensor.to(out_dtype)
                 yield key, tensor
                 bar.update()
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` for the block, then restored (export also runs at the
+    end of training, in the recipe's own process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_base_is_unquantized(base_dir: Path) -> None:
@@ -507,7 +523,9 @@ def export_merged(
     remove_stale_staging(out)
     with publish_directory(out, replace=overwrite) as staging, writer_lock(staging):
         writer = StreamingShardWriter(staging, output_layout(files, out_dtype), max_bytes)
-        with behind(writer.write) as write:  # writes overlap with the next tensor's read and merge
+        # Writes overlap with the next tensor's read and merge, which runs on one torch thread: it is memory-bound,
+        # and a second would spin for work (measured: user CPU 8.9 s with 2 threads, 5.1 s with 1, wall no slower).
+        with behind(writer.write) as write, torch_threads(1):
             for key, tensor in merged_tensors(files, adapter, base_variant, out_dtype, progress):
                 write(key, tensor)
         writer.finish()
