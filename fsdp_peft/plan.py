@@ -38,6 +38,11 @@ from fsdp_peft.variants import lora_config_arguments, stored_weight
 from fsdp_peft.xla import xla_plan
 
 GIB = 2**30
+# TRL 1.16's fused log-prob head, which its DPO and KTO trainers use: one projection tile of at most this many
+# tokens x vocabulary columns in the compute dtype (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and
+# trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/test_plan.py checks them against the installed TRL).
+TRL_TOKEN_TILE = 4096
+TRL_VOCAB_TILE = 32768
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 values
 NESTED_BLOCK = 256  # double quantization: one fp32 absmax per 256 first-level constants
 CUDA_CONTEXT_BYTES = GIB  # estimate: CUDA context, cuBLAS workspaces, allocator slack (not in torch's count)
@@ -78,6 +83,7 @@ class MemoryPlan:
     offload_params: bool
     optimizer: str
     counts: ModelCounts
+    preference: bool = False  # DPO/KTO: log-probs from TRL's fused head, not the SFT loss
     gpu: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -302,12 +308,15 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
-    if set(PREFERENCE_KEYS) & read_yaml_config(Path(config_path)).keys():  # DPO: a pair is chosen + rejected
+    preference = bool(set(PREFERENCE_KEYS) & read_yaml_config(Path(config_path)).keys())
+    if preference:  # DPO: a pair is chosen + rejected
         tokens *= 2
         notes.append(
             "preference (DPO): each pair is 2 sequences (chosen + rejected), counted in the tokens per rank; "
             "the reference pass (same model, adapter disabled, no grad) runs before the policy's forward and "
-            "keeps nothing for backward; no second copy of the base"
+            "keeps nothing for backward; no second copy of the base; log-probs come from TRL's fused head (tiles "
+            f"of {TRL_TOKEN_TILE} tokens x {TRL_VOCAB_TILE} vocabulary columns, never the full logits), whatever "
+            "loss_chunk_tokens says"
         )
     xla = xla_plan(trainer_fsdp_arguments(training).get("fsdp_config"), ranks, tokens)
     if xla is not None:  # TPU chips as ranks: fsdp_peft.xla
@@ -329,6 +338,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         offload_params=offload,
         optimizer=optim,
         counts=counts,
+        preference=preference,
         notes=notes,
     )
     resident = dict(zip(RESIDENT_ROWS, (counts.base_bytes, counts.adapter_bytes, counts.adapter_bytes, optimizer)))
@@ -341,10 +351,16 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens  # XLA: the model's own loss (fsdp_peft.loss)
+    if preference:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
+        chunk_tokens = TRL_TOKEN_TILE
     plan.gpu["activations (est.)"] = activation_bytes(
         model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=chunk_tokens
     )
-    plan.gpu["loss logits, transient (est.)"] = loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
+    plan.gpu["loss logits, transient (est.)"] = (
+        min(tokens, TRL_TOKEN_TILE) * min(model_config.vocab_size, TRL_VOCAB_TILE) * compute_bytes
+        if preference
+        else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
+    )
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
@@ -366,7 +382,7 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
         saved = plan.gpu["activations (est.)"] - checkpointed
         found.append({"switch": "gradient_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
-    if not recipe.loss_chunk_tokens and not plan.fsdp.startswith("XLA"):
+    if not recipe.loss_chunk_tokens and not plan.fsdp.startswith("XLA") and not plan.preference:
         tokens, checkpointing = plan.tokens_per_rank, plan.activation_checkpointing
         chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=512)
         chunked += loss_logits_bytes(model_config, 512, tokens, compute_bytes)

@@ -136,3 +136,23 @@ def test_two_rank_run_writes_memory_json_matching_the_plan(tmp_path):
     assert both == whole.gpu["base weights (shard)"] + whole.gpu["adapter weights (shard)"]
     assert all(r["peak_rss_bytes"] >= r["peak_rss_after_loading_bytes"] > 0 for r in report["ranks"])
     assert math.isclose(rank0["parameter_gradient_optimizer_bytes"], plan.parameter_gradient_optimizer_bytes)
+
+
+def test_preference_plans_count_trls_fused_head_tile_not_the_sft_loss(tmp_path):
+    """DPO's log-probs come from TRL's fused head: the planner's tile is TRL's own (checked against the installed
+    TRL), the transient row is one tile, and the chunked-loss switch is not suggested (it does not apply)."""
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    from fsdp_peft.plan import TRL_TOKEN_TILE, TRL_VOCAB_TILE, load_model_config
+
+    assert (TRL_TOKEN_TILE, TRL_VOCAB_TILE) == (TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE)
+    config = tmp_path / "dpo.yaml"
+    config.write_text(f"include: {REPO / 'configs' / 'llama_dpo' / 'tiny.yaml'}\nloss_chunk_tokens: 0\n")
+    plan = plan_for(config, 1)
+    vocab, c = load_model_config("tiny-llama").vocab_size, 4  # the tiny DPO config computes in fp32
+    assert plan.mixed_precision is None and vocab < TRL_VOCAB_TILE
+    assert plan.preference and plan.tokens_per_rank <= TRL_TOKEN_TILE
+    assert plan.gpu["loss logits, transient (est.)"] == plan.tokens_per_rank * vocab * c
+    assert not any("loss_chunk_tokens" in s["switch"] for s in plan.suggestions)
+    assert any("TRL's fused head" in note for note in plan.notes)
