@@ -198,10 +198,10 @@ CASES = {
         "init_lora_weights: eva computes its SVD from activations of the training data before training",
     ),
     "_init_from_base_weights_needs_the_full_precision_base": (
-        QLORA_TINY,
+        LORA_TINY,
         ACCELERATE_FSDP2,
-        ["--init_lora_weights", "pissa_niter_4"],
-        "init_lora_weights: pissa_niter_4 with load_in_4bit: peft derives the adapter from the 16-bit weights",
+        ["--init_lora_weights", "loftq"],
+        "init_lora_weights: loftq fits the adapter to the 4-bit quantization error of each base weight, and",
     ),
     "_trainable_tokens_and_their_embedding_copy_exclude_each_other": (
         LORA_TINY,
@@ -214,6 +214,12 @@ CASES = {
         ACCELERATE_FSDP1,
         ["--trainable_token_indices", "3"],
         "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
+    ),
+    "_fsdp1_dora_needs_full_precision": (
+        QLORA_TINY,
+        ACCELERATE_FSDP1,
+        ["--use_dora", "true"],
+        "QDoRA (use_dora with load_in_4bit) under FSDP1: DoRA calls each LoRA layer twice per forward, and FSDP1",
     ),
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -43,6 +44,7 @@ VARIANTS = {
         {"lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "init_lora_weights": "pissa_niter_4"},
     ),
     "qdora": ("llama_qlora", {"use_dora": True, "lora_modules_to_save": ["lm_head"]}),
+    "qpissa": ("llama_qlora", {"init_lora_weights": "pissa_niter_4"}),  # 4-bit residual, low-memory loading
 }
 # what each variant adds to the trainable tensors, as named in the FSDP layout report
 VARIANT_TENSORS = {
@@ -50,7 +52,9 @@ VARIANT_TENSORS = {
     "tokens": ("trainable_tokens_delta",),
     "embedding": ("lora_embedding_A", "lora_embedding_B"),
     "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
+    "qpissa": ("lora_A", "lora_B"),
 }
+LAUNCHER_SETTINGS = {"qpissa": {"fsdp_cpu_ram_efficient_loading": "true"}}  # rank 0 reads the residual, scatters
 TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
 
 pytestmark = pytest.mark.slow
@@ -75,7 +79,7 @@ def variant_config(directory, variant: str, per_device_batch: int):
     return path
 
 
-FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2)]
+FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
 RUNS = [*FSDP2_RUNS, ("dora", 1)]
 _runs: dict = {}
 
@@ -86,8 +90,15 @@ def two_rank_run(variant: str, version: int, tmp_path_factory, model_dir) -> dic
         directory = tmp_path_factory.mktemp(f"{variant}_fsdp{version}")
         config = variant_config(directory, variant, PER_RANK_BATCH)
         accelerate_config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
-        launch_recipe(VARIANTS[variant][0], "--config", str(config), accelerate_config=accelerate_config)
+        if variant in LAUNCHER_SETTINGS:
+            text = accelerate_config.read_text()
+            for key, value in LAUNCHER_SETTINGS[variant].items():
+                text = re.sub(rf"(?m)^(\s*{key}:).*$", rf"\g<1> {value}", text)
+            accelerate_config = directory / "accelerate.yaml"
+            accelerate_config.write_text(text)
+        result = launch_recipe(VARIANTS[variant][0], "--config", str(config), accelerate_config=accelerate_config)
         _runs[variant, version] = {
+            "stdout": result.stdout,
             "variant": variant,
             "recipe": VARIANTS[variant][0],
             "version": version,
@@ -135,6 +146,9 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
+    if run["variant"] in LAUNCHER_SETTINGS:  # the residual checkpoint went through low-memory loading
+        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
+        assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
     layout = read_json(run["dir"] / "fsdp_layout.json")
     trainable = [p for p in layout["parameters"] if p["trainable"]]
     for marker in VARIANT_TENSORS[run["variant"]]:
