@@ -9,10 +9,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, set_seed
 
 from conftest import REPO
+from fsdp_peft.export import export_merged
 from fsdp_peft.modeling import attach_lora, load_base_model
 from fsdp_peft.paths import cache_dir
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.residual import INITIAL_ADAPTER, INITIAL_ADAPTER_SOURCE
+from fsdp_peft.trainer import write_adapter, write_adapter_metadata
+from fsdp_peft.variants import converted_adapter_config
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 
@@ -68,3 +71,25 @@ def test_the_residual_checkpoint_is_written_once_atomically_and_reused(tmp_path,
     files = {p.name for p in source.parent.iterdir()}
     assert files == {p.name for p in tiny_model_dir.iterdir()} | {INITIAL_ADAPTER}  # same names, configs copied
     assert not [p for p in (cache_dir() / "initialisations").iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_a_loftq_adapter_exports_onto_the_original_16bit_base(tmp_path, tiny_model_dir):
+    """LoftQ's 4-bit base approximates ``W - scale * B0 @ A0``: the saved adapter is converted as PiSSA's is
+    (``[A; A0]``, ``[B, -B0]``), so export on the original 16-bit base gives ``W + scale * (B @ A - B0 @ A0)``."""
+    _, model = initial_model("loftq", tmp_path / "run")
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    name = "model.layers.0.self_attn.q_proj"
+    step = 1e-2 * torch.randn(trained[f"base_model.model.{name}.lora_B.default.weight"].shape)
+    trained[f"base_model.model.{name}.lora_B.default.weight"] += step  # what training changed
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    write_adapter(model, trained, adapter)
+    write_adapter_metadata(model, {}, adapter)
+    converted_adapter_config(model).save_pretrained(adapter)
+    out = export_merged(adapter, tmp_path / "merged", base=str(tiny_model_dir), dtype="fp32", progress=False)
+    merged, original = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    initial_a = trained[f"base_model.model.{name}.lora_A.default.weight"]
+    expected = original[f"{name}.weight"] + (128 / 32) * step @ initial_a
+    assert torch.allclose(merged[f"{name}.weight"], expected, rtol=0, atol=1e-6)
+    untouched = "model.layers.1.mlp.up_proj.weight"  # LoftQ's correction cancels where nothing was trained
+    assert torch.allclose(merged[untouched], original[untouched], rtol=0, atol=1e-6)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
@@ -24,6 +24,7 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
 from fsdp_peft.export import export_merged
 from fsdp_peft.plan import plan_memory
+from fsdp_peft.recipe import parse_recipe_config
 
 STEPS = 5
 PER_RANK_BATCH = 16
@@ -192,15 +193,40 @@ def _fp32_base(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def test_saved_adapter_loads_with_plain_peft_and_reproduces_the_eval_loss(run):
+def _trained_adapter_on_the_residual(run, directory):
+    """PiSSA-QLoRA trained against the 4-bit residual; its saved adapter is peft's conversion for the original
+    base (``[A; A0]``, ``[B, -B0]``, rank 2r), whose first r ranks are the trained A and B: plain peft loads
+    those on the residual checkpoint (the run's cached one)."""
+    from peft import PeftConfig
+
+    from fsdp_peft.modeling import initialisation_checkpoint
+
+    recipe, training = parse_recipe_config(["--config", str(run["config"])], run["config"], str(run["dir"]))
+    residual, _ = initialisation_checkpoint(recipe, str(run["model"]), training, torch.device("cpu"))
+    config = PeftConfig.from_pretrained(run["dir"] / "adapter")
+    config.r, config.lora_alpha = config.r // 2, config.lora_alpha / 2
+    converted = load_file(run["dir"] / "adapter" / "adapter_model.safetensors")
+    trained = {k: (v[: config.r] if ".lora_A." in k else v[:, : config.r]).contiguous() for k, v in converted.items()}
+    config.save_pretrained(directory)
+    save_file(trained, directory / "adapter_model.safetensors")
+    return residual, directory
+
+
+def test_saved_adapter_loads_with_plain_peft_and_reproduces_the_eval_loss(run, tmp_path):
     from peft import PeftModel
 
     qlora = run["recipe"] == "llama_qlora"
-    base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"])
+    adapter = run["dir"] / "adapter"
+    if run["variant"] == "qpissa":
+        residual, adapter = _trained_adapter_on_the_residual(run, tmp_path / "trained")
+        assert residual != str(run["model"])
+        base = tiny_llama_in_4bit(residual)
+    else:
+        base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"])
     for module in base.modules():  # the reference must not take bitsandbytes' CPU repacking path either
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    model = PeftModel.from_pretrained(base, run["dir"] / "adapter").eval()
+    model = PeftModel.from_pretrained(base, adapter).eval()
     reloaded = _eval_loss(model, run["model"], autocast=qlora)
     trained = read_json(run["dir"] / "results.json")["eval_loss"]
     print(f"{run['variant']} FSDP{run['version']}: eval loss {trained:.6f}, reloaded with plain peft {reloaded:.6f}")
