@@ -145,7 +145,8 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
     if initial_adapter is not None:
-        start_from_initial_adapter(peft_model, initial_adapter, resolve_model_path(recipe.model_name_or_path))
+        base = resolve_model_path(recipe.model_name_or_path)
+        start_from_initial_adapter(peft_model, initial_adapter, recipe.init_lora_weights, base)
     remember_initial_adapter(peft_model, recipe)
     # peft keeps only lora_* layers in fp32: trained copies (modules_to_save) and token rows follow the same rule
     trainable_dtype = torch.float32 if keep_fp32 else getattr(torch, recipe.torch_dtype)

@@ -221,8 +221,9 @@ def _loftq(weight: torch.Tensor, target: Target, iterations: int, device) -> tup
     return right / root, left / root, stored
 
 
-def start_from_initial_adapter(peft_model, source: Path, base_model_name_or_path: str) -> None:
-    """Set every LoRA A/B the initialisation computed; the saved config names the original base, not the residual."""
+def start_from_initial_adapter(peft_model, source: Path, init: str, base_model_name_or_path: str) -> None:
+    """Set every LoRA A/B the initialisation computed. The adapter config records the init (so a checkpoint's
+    unconverted adapter is refused by export) and the original base, not the residual."""
     tensors = load_file(str(source))
     used = set()
     for name, module in peft_model.named_modules():
@@ -235,4 +236,5 @@ def start_from_initial_adapter(peft_model, source: Path, base_model_name_or_path
             used.add(f"{key}.{part}")
     if used != set(tensors):
         raise RuntimeError(f"initial adapter {source}: no LoRA layer for {sorted(set(tensors) - used)[:3]}")
-    peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path = base_model_name_or_path
+    config = peft_model.peft_config[peft_model.active_adapter]
+    config.init_lora_weights, config.base_model_name_or_path = init, base_model_name_or_path

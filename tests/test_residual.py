@@ -68,6 +68,7 @@ def test_the_residual_checkpoint_is_written_once_atomically_and_reused(tmp_path,
     assert getattr(again, INITIAL_ADAPTER_SOURCE) == source and source.stat().st_mtime_ns == written
     assert again.name_or_path == str(source.parent)  # trained against the residual, saved for the original base
     assert model.peft_config["default"].base_model_name_or_path == str(tiny_model_dir)
+    assert model.peft_config["default"].init_lora_weights == "olora"  # a checkpoint's adapter: export refuses it
     files = {p.name for p in source.parent.iterdir()}
     assert files == {p.name for p in tiny_model_dir.iterdir()} | {INITIAL_ADAPTER}  # same names, configs copied
     assert not [p for p in (cache_dir() / "initialisations").iterdir() if p.name.startswith(".")]  # no staging left
