@@ -16,7 +16,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled
+from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled, dora_lora_weight_without_graph
 from fsdp_peft.attention import resolved_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
@@ -144,6 +144,8 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
+    if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
+        dora_lora_weight_without_graph(peft_model)
     if initial_adapter is not None:
         base = resolve_model_path(recipe.model_name_or_path)
         start_from_initial_adapter(peft_model, initial_adapter, recipe.init_lora_weights, base)

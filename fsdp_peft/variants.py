@@ -228,26 +228,12 @@ def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
     return None
 
 
-def _fsdp1_dora_needs_full_precision(recipe, training) -> str | None:
-    if not recipe.use_dora or _fsdp_version(training) != 1:
-        return None
-    if not (training.get("bf16") or training.get("fp16") or recipe.load_in_4bit):
-        return None
-    what = "QDoRA (use_dora with load_in_4bit)" if recipe.load_in_4bit else "use_dora with bf16/fp16 mixed precision"
-    return (
-        f"{what} under FSDP1: DoRA calls each LoRA layer twice per forward, and FSDP1 with mixed precision then "
-        "hands AdamW unreduced low-precision gradients (measured: 'expected dtype float ... but got BFloat16'); "
-        "use FSDP2 (fsdp_version: 2)" + ("" if recipe.load_in_4bit else ", or bf16: false with torch_dtype: float32")
-    )
-
-
 VARIANT_RULES = [
     _variant_keys_are_known,
     _eva_needs_the_whole_data_on_one_rank,
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,
     _fsdp1_gathers_only_called_modules,
-    _fsdp1_dora_needs_full_precision,
 ]
 
 

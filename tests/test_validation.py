@@ -215,12 +215,6 @@ CASES = {
         ["--trainable_token_indices", "3"],
         "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
     ),
-    "_fsdp1_dora_needs_full_precision": (
-        QLORA_TINY,
-        ACCELERATE_FSDP1,
-        ["--use_dora", "true"],
-        "QDoRA (use_dora with load_in_4bit) under FSDP1: DoRA calls each LoRA layer twice per forward, and FSDP1",
-    ),
 }
 
 

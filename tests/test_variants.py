@@ -1,8 +1,9 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
-Variants are combined so that five 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, and
-QDoRA with a trained head copy. Each run is compared with one process with the same global batch and seed;
+Variants are combined so that seven 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
+``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, QDoRA
+with a trained head copy (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by low-memory
+loading). Each run is compared with one process with the same global batch and seed;
 its saved adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its
 measured per-rank bytes with the planner's.
 """
@@ -81,7 +82,7 @@ def variant_config(directory, variant: str, per_device_batch: int):
 
 
 FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
-RUNS = [*FSDP2_RUNS, ("dora", 1)]
+RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1)]
 _runs: dict = {}
 
 
