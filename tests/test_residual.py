@@ -4,12 +4,15 @@ promise; the residual checkpoint is written once, atomically, and reused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, set_seed
 
 from conftest import REPO
 from fsdp_peft.export import export_merged
+from fsdp_peft.inference import load_for_generation
 from fsdp_peft.modeling import attach_lora, load_base_model
 from fsdp_peft.paths import cache_dir
 from fsdp_peft.recipe import parse_recipe_config
@@ -20,13 +23,14 @@ from fsdp_peft.variants import converted_adapter_config
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 
 
-def initial_model(init: str, output_dir):
+def initial_model(init: str, output_dir, with_recipe: bool = False):
     """The recipe's initial model (4-bit base + initial adapter), as ``start_training`` builds it."""
     argv = ["--config", str(QLORA_TINY), "--output_dir", str(output_dir), "--init_lora_weights", init]
     recipe, training = parse_recipe_config(argv, QLORA_TINY, str(output_dir))
     set_seed(training.seed)
     base = load_base_model(recipe, training)
-    return base, attach_lora(base, recipe, training).train()  # train(): no CPU repacking of 4-bit weights
+    model = attach_lora(base, recipe, training).train()  # train(): no CPU repacking of 4-bit weights
+    return (base, model, recipe) if with_recipe else (base, model)
 
 
 def logits_error(model, reference: torch.Tensor, ids: torch.Tensor) -> float:
@@ -76,8 +80,9 @@ def test_the_residual_checkpoint_is_written_once_atomically_and_reused(tmp_path,
 
 def test_a_loftq_adapter_exports_onto_the_original_16bit_base(tmp_path, tiny_model_dir):
     """LoftQ's 4-bit base approximates ``W - scale * B0 @ A0``: the saved adapter is converted as PiSSA's is
-    (``[A; A0]``, ``[B, -B0]``), so export on the original 16-bit base gives ``W + scale * (B @ A - B0 @ A0)``."""
-    _, model = initial_model("loftq", tmp_path / "run")
+    (``[A; A0]``, ``[B, -B0]``), so export on the original 16-bit base gives ``W + scale * (B @ A - B0 @ A0)``;
+    ``fsdp-peft generate`` runs the same model (the original base, unquantized)."""
+    _, model, recipe = initial_model("loftq", tmp_path / "run", with_recipe=True)
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     name = "model.layers.0.self_attn.q_proj"
     step = 1e-2 * torch.randn(trained[f"base_model.model.{name}.lora_B.default.weight"].shape)
@@ -85,7 +90,7 @@ def test_a_loftq_adapter_exports_onto_the_original_16bit_base(tmp_path, tiny_mod
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     write_adapter(model, trained, adapter)
-    write_adapter_metadata(model, {}, adapter)
+    write_adapter_metadata(model, dataclasses.asdict(recipe), adapter)
     converted_adapter_config(model).save_pretrained(adapter)
     out = export_merged(adapter, tmp_path / "merged", base=str(tiny_model_dir), dtype="fp32", progress=False)
     merged, original = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
@@ -94,3 +99,9 @@ def test_a_loftq_adapter_exports_onto_the_original_16bit_base(tmp_path, tiny_mod
     assert torch.allclose(merged[f"{name}.weight"], expected, rtol=0, atol=1e-6)
     untouched = "model.layers.1.mlp.up_proj.weight"  # LoftQ's correction cancels where nothing was trained
     assert torch.allclose(merged[untouched], original[untouched], rtol=0, atol=1e-6)
+
+    loaded = load_for_generation(adapter, None, torch.device("cpu")).model.get_base_model()
+    layer = loaded.model.layers[0].self_attn.q_proj
+    assert type(layer.base_layer) is torch.nn.Linear  # not 4-bit: the converted adapter belongs on W itself
+    generated = layer.base_layer.weight.float() + layer.get_delta_weight("default").float()
+    assert torch.allclose(generated, merged[f"{name}.weight"], rtol=0, atol=1e-3)  # bf16 model vs fp32 export
