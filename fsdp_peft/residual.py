@@ -187,15 +187,15 @@ def initial_adapter(weight: torch.Tensor, target: Target, recipe, device) -> tup
     if recipe.init_lora_weights == "loftq":
         return _loftq(weight, target, recipe.loftq_iter, device)
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    layer.weight = torch.nn.Parameter(weight.float(), requires_grad=False)
+    layer.weight = torch.nn.Parameter(weight.to(device, torch.float32), requires_grad=False)  # SVD/QR on the GPU
     config = LoraConfig(
         r=target.r, lora_alpha=target.alpha, init_lora_weights=recipe.init_lora_weights, use_rslora=recipe.use_rslora
     )
     lora = Linear(layer, ADAPTER, config=config, r=target.r, lora_alpha=target.alpha)
     if not math.isclose(lora.scaling[ADAPTER], target.scale):
         raise RuntimeError(f"{target.name}: peft scale {lora.scaling[ADAPTER]} differs from the run's {target.scale}")
-    residual = lora.get_base_layer().weight.detach().to(weight.dtype)
-    return lora.lora_A[ADAPTER].weight.detach(), lora.lora_B[ADAPTER].weight.detach(), residual
+    residual = lora.get_base_layer().weight.detach().to("cpu", weight.dtype)
+    return lora.lora_A[ADAPTER].weight.detach().cpu(), lora.lora_B[ADAPTER].weight.detach().cpu(), residual
 
 
 def _dequantized(weight: torch.Tensor, quantize: tuple, device) -> torch.Tensor:
@@ -213,8 +213,9 @@ def _loftq(weight: torch.Tensor, target: Target, iterations: int, device) -> tup
     full = weight.float()
     stored = weight
     for iteration in range(iterations):
-        decomposition = _low_rank_decomposition(full - _dequantized(stored, target.quantize, device), target.r)
-        left, right = decomposition["L"], decomposition["R"]
+        error = (full - _dequantized(stored, target.quantize, device)).to(device)
+        decomposition = _low_rank_decomposition(error, target.r)
+        left, right = decomposition["L"].cpu(), decomposition["R"].cpu()
         if iteration + 1 < iterations:
             stored = (full - left @ right).to(weight.dtype)
     root = math.sqrt(target.scale)
