@@ -154,7 +154,8 @@ def _write_initialisation(staging: Path, directory: Path, files, targets, recipe
         raise ConfigError(f"init_lora_weights: {directory} has no tensor {absent[0]} to initialise the adapter from")
     residual_needed = not (recipe.init_lora_weights == "loftq" and recipe.loftq_iter == 1)
     adapter: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
+    gpus = [device.index or 0] if device.type == "cuda" else []  # only this rank computes: leave its RNGs as they were
+    with torch.random.fork_rng(devices=gpus):
         torch.manual_seed(seed)  # pissa_niter_N's randomised SVD: the same key gives the same result
         for file in sorted(set(files.values())):
             keys = [k for k, f in files.items() if f == file]
