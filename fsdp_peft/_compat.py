@@ -123,6 +123,22 @@ UPSTREAM: tuple[Upstream, ...] = (
         "peft keeps adapters of meta base layers materialised",
     ),
     Upstream(
+        "peft.tuners.lora.layer:Linear.__init__",
+        ("base_layer", "adapter_name", "config", "r", "lora_alpha"),
+        "fsdp_peft.residual (PiSSA/OLoRA on a 4-bit base)",
+        "peft's own pissa_init/olora_init run on one checkpoint tensor at a time, inside a lone LoRA layer",
+        "peft offers PiSSA/OLoRA initialisation of a single weight as a function",
+        mentions=("update_layer",),
+    ),
+    Upstream(
+        "peft.utils.loftq_utils:_low_rank_decomposition",
+        ("weight", "reduced_rank"),
+        "fsdp_peft.residual (LoftQ on a 4-bit base)",
+        "LoftQ's SVD split of the quantization error, run with the run's own 4-bit settings on any device",
+        "peft's LoftQ runs off CUDA with the caller's quantization settings",
+        mentions=('"L"', '"R"'),
+    ),
+    Upstream(
         "peft.tuners.lora.dora:DoraLinearLayer.get_lora_weight",
         ("self", "lora_A", "lora_B", "adapter_name"),
         "fsdp_peft._compat.dora_lora_weight_without_graph",
