@@ -123,6 +123,39 @@ UPSTREAM: tuple[Upstream, ...] = (
         "peft keeps adapters of meta base layers materialised",
     ),
     Upstream(
+        "peft.tuners.lora.layer:Linear.__init__",
+        ("base_layer", "adapter_name", "config", "r", "lora_alpha"),
+        "fsdp_peft.residual (PiSSA/OLoRA on a 4-bit base)",
+        "peft's own pissa_init/olora_init run on one checkpoint tensor at a time, inside a lone LoRA layer",
+        "peft offers PiSSA/OLoRA initialisation of a single weight as a function",
+        mentions=("update_layer",),
+    ),
+    Upstream(
+        "peft.utils.loftq_utils:_low_rank_decomposition",
+        ("weight", "reduced_rank"),
+        "fsdp_peft.residual (LoftQ on a 4-bit base)",
+        "LoftQ's SVD split of the quantization error, run with the run's own 4-bit settings on any device",
+        "peft's LoftQ runs off CUDA with the caller's quantization settings",
+        mentions=('"L"', '"R"'),
+    ),
+    Upstream(
+        "peft.tuners.lora.dora:DoraLinearLayer.get_lora_weight",
+        ("self", "lora_A", "lora_B", "adapter_name"),
+        "fsdp_peft._compat.dora_lora_weight_without_graph",
+        "DoRA's weight norm calls the FSDP1 LoRA units a second time with autograd on; FSDP1 + mixed precision "
+        "then leaves their gradients unreduced",
+        "peft computes DoRA's (detached) LoRA weight without autograd",
+        mentions=("x_eye",),
+    ),
+    Upstream(
+        "peft.tuners.lora.dora:DoraLinearLayer.forward",
+        ("self", "x", "lora_A", "lora_B", "scaling", "base_layer"),
+        "fsdp_peft._compat.dora_lora_weight_without_graph",
+        "the LoRA weight is used only detached (for the norm), so computing it without autograd changes no value",
+        "peft computes DoRA's (detached) LoRA weight without autograd",
+        mentions=("lora_weight=lora_weight.detach()",),
+    ),
+    Upstream(
         "bitsandbytes.nn:Linear4bit.forward",
         ("self", "x"),
         "fsdp_peft._compat.cpu_weight_repacking_disabled",
@@ -449,6 +482,38 @@ def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
         yield
     finally:
         accelerate_module.fsdp2_prepare_model = original
+
+
+def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
+    """Replaces ``get_lora_weight`` of every DoRA linear layer of ``model`` (on the instance) by the same
+    computation under ``torch.no_grad()``; returns how many.
+
+    Why: DoRA's forward computes ``B @ A`` by calling the ``lora_A``/``lora_B`` modules on an identity matrix,
+    only to take the weight norm of ``W + scale * B @ A`` detached. Under FSDP1 those modules are units of their
+    own, so each is run twice per forward with autograd on; with bf16/fp16 mixed precision FSDP1 then hands
+    AdamW unreduced, full-size low-precision gradients (measured: ``expected dtype float for `end` but got
+    BFloat16``; cast, ``size 2048 vs 4096``). Without autograd the second call builds no graph and registers no
+    backward hooks; every value is the same (the result is used detached).
+    Upstream: peft 0.21 ``DoraLinearLayer.get_lora_weight`` / ``forward`` (``lora_weight.detach()``).
+    Remove when: peft computes DoRA's detached LoRA weight without autograd.
+    """
+    from peft.tuners.lora.dora import DoraLinearLayer  # lazy: patch target, resolved when patched
+
+    patched = 0
+    for module in model.modules():
+        if type(module) is DoraLinearLayer:  # not the embedding/conv subclasses, whose weight may carry grad
+            module.get_lora_weight = _without_grad(module.get_lora_weight)
+            patched += 1
+    return patched
+
+
+def _without_grad(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with torch.no_grad():
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:

@@ -31,6 +31,7 @@ from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
 from fsdp_peft.policies import shard_for_generation
+from fsdp_peft.variants import init_reads_base_weights
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
 
@@ -81,6 +82,8 @@ def load_for_generation(
     known = {f.name for f in dataclasses.fields(RecipeArguments)}
     recipe = RecipeArguments(**{k: v for k, v in adapter.recipe.items() if k in known})
     recipe.model_name_or_path = str(base_dir)
+    if init_reads_base_weights(recipe.init_lora_weights):  # converted for the original base: load that, unquantized
+        recipe.init_lora_weights, recipe.load_in_4bit = "default", False
     model = attach_trained_adapter(load_base_model(recipe), adapter)
     tokenizer = _tokenizer(AutoTokenizer.from_pretrained(base_dir))
     chat = recipe.use_chat_template if adapter.recipe else None

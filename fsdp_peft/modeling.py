@@ -16,13 +16,20 @@ from transformers import (
     TrainingArguments,
 )
 
-from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled
+from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled, dora_lora_weight_without_graph
 from fsdp_peft.attention import resolved_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
 from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.residual import (
+    INITIAL_ADAPTER_SOURCE,
+    init_computed_before_loading,
+    lora_linear_targets,
+    prepared_initialisation,
+    start_from_initial_adapter,
+)
 from fsdp_peft.validation import mixed_precision_dtype
 from fsdp_peft.variants import (
     lora_config_arguments,
@@ -75,14 +82,16 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     the ``attn_implementation`` kernel (`fsdp_peft.attention`).
     """
     device = local_device()
+    path, initial_adapter = resolve_model_path(recipe.model_name_or_path), None
+    if init_computed_before_loading(recipe, training):  # PiSSA/OLoRA/LoftQ: load the residual (fsdp_peft.residual)
+        path, initial_adapter = initialisation_checkpoint(recipe, path, training, device)
     if low_memory_loading_requested(training):
-        path = resolve_model_path(recipe.model_name_or_path)
         model = model_skeleton(
             path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(recipe.model_name_or_path),
+            path,
             dtype=getattr(torch, recipe.torch_dtype),
             quantization_config=quantization_config(recipe),
             device_map={"": device},
@@ -93,7 +102,31 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
         model.set_attn_implementation(attention)
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
+    if initial_adapter is not None:
+        setattr(model, INITIAL_ADAPTER_SOURCE, initial_adapter)
     return model
+
+
+def initialisation_checkpoint(recipe: RecipeArguments, path: str, training, device: torch.device):
+    """The residual checkpoint and initial adapter of PiSSA/OLoRA/LoftQ, targets read from a weightless model."""
+    skeleton = model_skeleton(
+        path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
+    )
+    with adapters_created_off_meta():
+        targets = lora_linear_targets(get_peft_model(skeleton, lora_config(recipe, skeleton, shapes_only=True)))
+    return prepared_initialisation(recipe, path, targets, training.seed, device)
+
+
+def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bool = False) -> LoraConfig:
+    """peft's ``LoraConfig`` for the recipe (``shapes_only``: no initialisation from the base weights)."""
+    return LoraConfig(
+        r=recipe.lora_r,
+        lora_alpha=recipe.lora_alpha,
+        lora_dropout=recipe.lora_dropout,
+        target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
+        task_type="CAUSAL_LM",
+        **lora_config_arguments(recipe, shapes_only),
+    )
 
 
 disable_cpu_weight_repacking = cpu_weight_repacking_disabled  # the patch lives in the compat layer
@@ -105,18 +138,17 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     Adapter weights stay in fp32 (master weights) when a bf16/fp16 mixed-precision policy casts them for
     compute; without one they take the base dtype, so an FSDP unit never mixes parameter dtypes.
     """
-    config = LoraConfig(
-        r=recipe.lora_r,
-        lora_alpha=recipe.lora_alpha,
-        lora_dropout=recipe.lora_dropout,
-        target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
-        task_type="CAUSAL_LM",
-        **lora_config_arguments(recipe),
-    )
+    initial_adapter = getattr(model, INITIAL_ADAPTER_SOURCE, None)  # computed before loading: set after creation
+    config = lora_config(recipe, model, shapes_only=initial_adapter is not None)
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
+    if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
+        dora_lora_weight_without_graph(peft_model)
+    if initial_adapter is not None:
+        base = resolve_model_path(recipe.model_name_or_path)
+        start_from_initial_adapter(peft_model, initial_adapter, recipe.init_lora_weights, base)
     remember_initial_adapter(peft_model, recipe)
     # peft keeps only lora_* layers in fp32: trained copies (modules_to_save) and token rows follow the same rule
     trainable_dtype = torch.float32 if keep_fp32 else getattr(torch, recipe.torch_dtype)

@@ -93,9 +93,10 @@ INITIAL_ADAPTER = "fsdp_peft_initial_adapter"
 
 
 def remember_initial_adapter(peft_model, recipe) -> None:
-    """PiSSA and OLoRA move ``scale * B0 @ A0`` out of the base weights: keep the initial A0, B0 (adapter-sized)
-    so the saved adapter can be peft's own conversion to a plain LoRA of rank 2r on the original base."""
-    if recipe.init_lora_weights.split("_niter_")[0] in ("pissa", "olora"):
+    """PiSSA and OLoRA move ``scale * B0 @ A0`` out of the base weights (LoftQ: the 4-bit base is about
+    ``W - scale * B0 @ A0``): keep the initial A0, B0 (adapter-sized) so the saved adapter can be peft's own
+    conversion to a plain LoRA of rank 2r on the original base."""
+    if init_reads_base_weights(recipe.init_lora_weights):
         initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" in n}
         setattr(peft_model, INITIAL_ADAPTER, initial)
 
@@ -173,28 +174,21 @@ def _init_from_base_weights_needs_the_full_precision_base(recipe, training) -> s
     init = recipe.init_lora_weights
     if not init_reads_base_weights(init):
         return None
-    if recipe.load_in_4bit:
+    if init == "loftq" and not recipe.load_in_4bit:
         return (
-            f"init_lora_weights: {init} with load_in_4bit: peft derives the adapter from the 16-bit weights and the "
-            "4-bit residual must then be re-quantized, which fsdp-peft does not do yet; train with load_in_4bit: "
-            "false, or use init_lora_weights: default"
+            "init_lora_weights: loftq fits the adapter to the 4-bit quantization error of each base weight, and "
+            "load_in_4bit is false (on a 16-bit base no export or reload reproduces it); set load_in_4bit: true, "
+            "or use pissa or olora"
         )
-    if init == "loftq":
+    if init == "loftq" and recipe.loftq_bits != 4:
         return (
-            "init_lora_weights: loftq replaces each base weight by a quantized residual meant to be loaded in 4 bits, "
-            "which fsdp-peft does not do yet (on a 16-bit base no export or reload reproduces it); use pissa or olora"
+            f"loftq_bits: {recipe.loftq_bits} with load_in_4bit: the base is loaded in 4 bits, and LoftQ must fit "
+            "the quantization the run trains on; set loftq_bits: 4"
         )
     if recipe.use_dora:
         return (
             f"init_lora_weights: {init} with use_dora: peft's conversion of the trained adapter back onto the original "
             "base covers LoRA's A and B, not DoRA's magnitude; set use_dora: false, or init_lora_weights: default"
-        )
-    settings = _settings(training)
-    if settings is not None and settings.cpu_ram_efficient_loading:
-        return (
-            f"init_lora_weights: {init} reads every base weight when the adapters are made, but "
-            "cpu_ram_efficient_loading builds a weightless model that receives its shards later; "
-            "set cpu_ram_efficient_loading: false"
         )
     return None
 

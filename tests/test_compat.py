@@ -32,6 +32,7 @@ def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
         _compat.adapters_created_off_meta,
         _compat.fsdp2_prepare_model_replaced,
         _compat.cpu_weight_repacking_disabled,
+        _compat.dora_lora_weight_without_graph,
         _compat.state_switched_to_fsdp,
         _compat.xla_fsdp_optimizer_created,
     ]

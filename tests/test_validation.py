@@ -198,10 +198,10 @@ CASES = {
         "init_lora_weights: eva computes its SVD from activations of the training data before training",
     ),
     "_init_from_base_weights_needs_the_full_precision_base": (
-        QLORA_TINY,
+        LORA_TINY,
         ACCELERATE_FSDP2,
-        ["--init_lora_weights", "pissa_niter_4"],
-        "init_lora_weights: pissa_niter_4 with load_in_4bit: peft derives the adapter from the 16-bit weights",
+        ["--init_lora_weights", "loftq"],
+        "init_lora_weights: loftq fits the adapter to the 4-bit quantization error of each base weight, and",
     ),
     "_trainable_tokens_and_their_embedding_copy_exclude_each_other": (
         LORA_TINY,
@@ -277,3 +277,15 @@ def test_yaml_route_settings_follow_transformers_defaults():
     settings = fsdp_settings({"fsdp": "full_shard offload auto_wrap", "fsdp_config": '{"fsdp_version": 1}'})
     assert settings.version == 1 and settings.offload_params and settings.use_orig_params
     assert settings.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and settings.state_dict_type == "FULL_STATE_DICT"
+
+
+def test_pissa_olora_and_loftq_on_a_4bit_base_pass_and_loftq_must_fit_its_4_bits(monkeypatch, tmp_path):
+    base = ["--config", str(QLORA_TINY), "--output_dir", str(tmp_path)]
+    for env in (ACCELERATE_FSDP1, ACCELERATE_FSDP2):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for init in ("pissa", "pissa_niter_4", "olora", "loftq"):
+            recipe, _ = parse_recipe_config([*base, "--init_lora_weights", init], QLORA_TINY, str(tmp_path))
+            assert recipe.init_lora_weights == init and recipe.load_in_4bit
+    with pytest.raises(ConfigError, match=r"^loftq_bits: 2 with load_in_4bit: the base is loaded in 4 bits"):
+        parse_recipe_config([*base, "--init_lora_weights", "loftq", "--loftq_bits", "2"], QLORA_TINY, str(tmp_path))

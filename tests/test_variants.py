@@ -1,8 +1,9 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
-Variants are combined so that five 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, and
-QDoRA with a trained head copy. Each run is compared with one process with the same global batch and seed;
+Variants are combined so that seven 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
+``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, QDoRA
+with a trained head copy (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by low-memory
+loading). Each run is compared with one process with the same global batch and seed;
 its saved adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its
 measured per-rank bytes with the planner's.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
@@ -23,6 +25,7 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
 from fsdp_peft.export import export_merged
 from fsdp_peft.plan import plan_memory
+from fsdp_peft.recipe import parse_recipe_config
 
 STEPS = 5
 PER_RANK_BATCH = 16
@@ -43,6 +46,7 @@ VARIANTS = {
         {"lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "init_lora_weights": "pissa_niter_4"},
     ),
     "qdora": ("llama_qlora", {"use_dora": True, "lora_modules_to_save": ["lm_head"]}),
+    "qpissa": ("llama_qlora", {"init_lora_weights": "pissa_niter_4"}),  # 4-bit residual, low-memory loading
 }
 # what each variant adds to the trainable tensors, as named in the FSDP layout report
 VARIANT_TENSORS = {
@@ -50,7 +54,9 @@ VARIANT_TENSORS = {
     "tokens": ("trainable_tokens_delta",),
     "embedding": ("lora_embedding_A", "lora_embedding_B"),
     "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
+    "qpissa": ("lora_A", "lora_B"),
 }
+LAUNCHER_SETTINGS = {"qpissa": {"fsdp_cpu_ram_efficient_loading": "true"}}  # rank 0 reads the residual, scatters
 TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
 
 pytestmark = pytest.mark.slow
@@ -75,8 +81,8 @@ def variant_config(directory, variant: str, per_device_batch: int):
     return path
 
 
-FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2)]
-RUNS = [*FSDP2_RUNS, ("dora", 1)]
+FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
+RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1)]
 _runs: dict = {}
 
 
@@ -86,8 +92,15 @@ def two_rank_run(variant: str, version: int, tmp_path_factory, model_dir) -> dic
         directory = tmp_path_factory.mktemp(f"{variant}_fsdp{version}")
         config = variant_config(directory, variant, PER_RANK_BATCH)
         accelerate_config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
-        launch_recipe(VARIANTS[variant][0], "--config", str(config), accelerate_config=accelerate_config)
+        if variant in LAUNCHER_SETTINGS:
+            text = accelerate_config.read_text()
+            for key, value in LAUNCHER_SETTINGS[variant].items():
+                text = re.sub(rf"(?m)^(\s*{key}:).*$", rf"\g<1> {value}", text)
+            accelerate_config = directory / "accelerate.yaml"
+            accelerate_config.write_text(text)
+        result = launch_recipe(VARIANTS[variant][0], "--config", str(config), accelerate_config=accelerate_config)
         _runs[variant, version] = {
+            "stdout": result.stdout,
             "variant": variant,
             "recipe": VARIANTS[variant][0],
             "version": version,
@@ -135,6 +148,9 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
+    if run["variant"] in LAUNCHER_SETTINGS:  # the residual checkpoint went through low-memory loading
+        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
+        assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
     layout = read_json(run["dir"] / "fsdp_layout.json")
     trainable = [p for p in layout["parameters"] if p["trainable"]]
     for marker in VARIANT_TENSORS[run["variant"]]:
@@ -178,15 +194,40 @@ def _fp32_base(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def test_saved_adapter_loads_with_plain_peft_and_reproduces_the_eval_loss(run):
+def _trained_adapter_on_the_residual(run, directory):
+    """PiSSA-QLoRA trained against the 4-bit residual; its saved adapter is peft's conversion for the original
+    base (``[A; A0]``, ``[B, -B0]``, rank 2r), whose first r ranks are the trained A and B: plain peft loads
+    those on the residual checkpoint (the run's cached one)."""
+    from peft import PeftConfig
+
+    from fsdp_peft.modeling import initialisation_checkpoint
+
+    recipe, training = parse_recipe_config(["--config", str(run["config"])], run["config"], str(run["dir"]))
+    residual, _ = initialisation_checkpoint(recipe, str(run["model"]), training, torch.device("cpu"))
+    config = PeftConfig.from_pretrained(run["dir"] / "adapter")
+    config.r, config.lora_alpha = config.r // 2, config.lora_alpha / 2
+    converted = load_file(run["dir"] / "adapter" / "adapter_model.safetensors")
+    trained = {k: (v[: config.r] if ".lora_A." in k else v[:, : config.r]).contiguous() for k, v in converted.items()}
+    config.save_pretrained(directory)
+    save_file(trained, directory / "adapter_model.safetensors")
+    return residual, directory
+
+
+def test_saved_adapter_loads_with_plain_peft_and_reproduces_the_eval_loss(run, tmp_path):
     from peft import PeftModel
 
     qlora = run["recipe"] == "llama_qlora"
-    base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"])
+    adapter = run["dir"] / "adapter"
+    if run["variant"] == "qpissa":
+        residual, adapter = _trained_adapter_on_the_residual(run, tmp_path / "trained")
+        assert residual != str(run["model"])
+        base = tiny_llama_in_4bit(residual)
+    else:
+        base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"])
     for module in base.modules():  # the reference must not take bitsandbytes' CPU repacking path either
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    model = PeftModel.from_pretrained(base, run["dir"] / "adapter").eval()
+    model = PeftModel.from_pretrained(base, adapter).eval()
     reloaded = _eval_loss(model, run["model"], autocast=qlora)
     trained = read_json(run["dir"] / "results.json")["eval_loss"]
     print(f"{run['variant']} FSDP{run['version']}: eval loss {trained:.6f}, reloaded with plain peft {reloaded:.6f}")
