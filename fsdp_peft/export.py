@@ -446,21 +446,30 @@ def merged_tensors(
     in fp32, rounded once); each yielded tensor is the caller's own (no scratch buffer)."""
     updates = adapter.updates_by_base_key()
     scratch = Scratch()
+    replaced = {key for key, update in updates.items() if update.replacement is not None}
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
         for path, keys in _keys_by_file(base_files).items():
-            for key, tensor in read_tensors(path, keys):
-                if base_variant == "nf4" and is_quantized_in_training(key, tensor):
-                    tensor = nf4_round_trip(tensor, adapter.recipe)
-                if key in updates:
-                    merged = updates[key].apply(tensor, scratch)
-                    if tensor.dtype == out_dtype and tensor.shape == merged.shape:  # the read tensor is ours: reuse it
-                        tensor = tensor.copy_(merged)
-                    else:
-                        tensor = merged.to(out_dtype, copy=True)
-                elif tensor.is_floating_point():
-                    tensor = tensor.to(out_dtype)
+            read = read_tensors(path, [key for key in keys if key not in replaced])  # a trained copy: base unread
+            for key in keys:
+                if key in replaced:  # rounded once from the trained copy, as through fp32
+                    tensor = updates[key].replacement.to(out_dtype, copy=True)
+                else:
+                    tensor = merged_tensor(key, next(read)[1], updates, scratch, adapter, base_variant, out_dtype)
                 yield key, tensor
                 bar.update()
+            read.close()
+
+
+def merged_tensor(key: str, tensor, updates: dict, scratch: Scratch, adapter: Adapter, base_variant: str, out_dtype):
+    """Base tensor ``key`` merged (in fp32, in ``scratch``) and rounded once to ``out_dtype``."""
+    if base_variant == "nf4" and is_quantized_in_training(key, tensor):
+        tensor = nf4_round_trip(tensor, adapter.recipe)
+    if key not in updates:
+        return tensor.to(out_dtype) if tensor.is_floating_point() else tensor
+    merged = updates[key].apply(tensor, scratch)
+    if tensor.dtype == out_dtype and tensor.shape == merged.shape:  # the read tensor is ours: reuse it
+        return tensor.copy_(merged)
+    return merged.to(out_dtype, copy=True)
 
 
 @contextlib.contextmanager
