@@ -10,7 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import IGNORE_INDEX, PackedCollator, check_packing_keeps_examples_apart, data_collator, load_data
+from fsdp_peft.data import (
+    IGNORE_INDEX,
+    FlattenedCollator,
+    PackedCollator,
+    check_packing_keeps_examples_apart,
+    data_collator,
+    load_data,
+)
 from fsdp_peft.errors import ConfigError
 
 WORDS = ["abcde", "fg", "hijklmn", "op", "qrstu", "vwxyz", "ab", "cdefgh"]
@@ -88,6 +95,35 @@ def test_packed_loss_equals_unpacked_loss(tokenizer, rows_file, model):
         loss_packed = model(**packed_batch).loss
     assert packed_batch["input_ids"].shape[0] < unpacked_batch["input_ids"].shape[0]
     torch.testing.assert_close(loss_packed, loss_unpacked, atol=1e-6, rtol=1e-6)
+
+
+def test_flattened_rows_train_exactly_as_padded_rows(tokenizer, rows_file, model):
+    """Padding-free: the micro-batch's packed rows joined into one row without a pad token give the padded
+    rows' loss (SDPA and eager keep examples apart by position_ids here as in each padded row)."""
+    packed, _ = packed_and_unpacked(tokenizer, rows_file, max_seq_length=24)
+    features = packed.to_list()
+    padded, flat = PackedCollator(tokenizer.pad_token_id)(features), FlattenedCollator()(features)
+    tokens = sum(len(feature["input_ids"]) for feature in features)
+    assert len(features) > 2 and padded["input_ids"].numel() > tokens  # the padded batch did pad
+    assert flat["input_ids"].shape == (1, tokens) and not (flat["input_ids"] == tokenizer.pad_token_id).any()
+    assert (flat["labels"] != IGNORE_INDEX).sum() == (padded["labels"] != IGNORE_INDEX).sum()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**flat).loss, model(**padded).loss, atol=1e-6, rtol=1e-6)
+
+
+def test_variable_length_kernels_get_flattened_rows_and_the_others_padded_rows(tokenizer):
+    chosen = {
+        attention: type(data_collator(RecipeArguments(packing=True, attn_implementation=attention), tokenizer))
+        for attention in ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention", "auto")
+    }
+    assert chosen == {
+        "flash_attention_2": FlattenedCollator,
+        "flash_attention_3": FlattenedCollator,
+        "sdpa": PackedCollator,
+        "eager": PackedCollator,
+        "flex_attention": PackedCollator,
+        "auto": PackedCollator,  # SDPA here: no CUDA GPU with flash-attn on this machine
+    }
 
 
 def test_packing_check_accepts_the_tiny_model_and_refuses_leaking_attention(model):

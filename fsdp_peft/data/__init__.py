@@ -29,7 +29,12 @@ and bad-row rules, rendered as text for TRL, which tokenizes them itself.
 
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.formats import DATA_FORMATS, Example, read_examples
-from fsdp_peft.data.packing import PackedCollator, check_packing_keeps_examples_apart, data_collator
+from fsdp_peft.data.packing import (
+    FlattenedCollator,
+    PackedCollator,
+    check_packing_keeps_examples_apart,
+    data_collator,
+)
 from fsdp_peft.data.sources import DATA_EXTENSIONS, Source, data_files, data_files_in, data_sources, is_local_path
 from fsdp_peft.data.templates import render_example_prompt, render_prompt
 from fsdp_peft.data.tokenize import IGNORE_INDEX, TRUNCATIONS, tokenize_example, tokenized_dataset
@@ -40,6 +45,7 @@ __all__ = [
     "IGNORE_INDEX",
     "TRUNCATIONS",
     "Example",
+    "FlattenedCollator",
     "PackedCollator",
     "Source",
     "check_packing_keeps_examples_apart",

@@ -1,6 +1,7 @@
 """Packing: examples concatenated into rows of ``max_seq_length`` tokens, kept apart by their positions.
 
-`pack` builds the rows, `data_collator` pads them (or unpacked rows), and
+`pack` builds the rows, `data_collator` pads them (or unpacked rows), or for the variable-length kernels
+concatenates a micro-batch's rows into one with no padding at all, and
 `check_packing_keeps_examples_apart` runs the model once to refuse an attention that would let a
 packed example see the one before it.
 """
@@ -14,6 +15,7 @@ import torch
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
+from fsdp_peft.attention import resolved_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.errors import ConfigError
@@ -67,9 +69,31 @@ class PackedCollator:
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()} | {"use_cache": False}
 
 
+VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3")  # one variable-length sequence per example
+
+
+@dataclass
+class FlattenedCollator:
+    """A micro-batch's packed rows concatenated into one row: no padding at all.
+
+    For the variable-length kernels (`VARLEN_KERNELS`), which split a row into its examples at every
+    ``position_ids`` restart, padding would be computed for nothing. SDPA, eager and flex attention instead
+    build a block mask over the whole row, whose size grows with the square of its length: they keep
+    `PackedCollator`'s padded rows. Every example's first label is already -100 (`pack`), so no example is
+    trained to follow the one before it, within a row or across the rows joined here.
+    """
+
+    def __call__(self, features: list[dict]) -> dict:
+        row = {key: [[value for f in features for value in f[key]]] for key in ("input_ids", "labels", "position_ids")}
+        return {key: torch.tensor(value, dtype=torch.long) for key, value in row.items()} | {"use_cache": False}
+
+
 def data_collator(recipe: RecipeArguments, tokenizer):
-    """The collator for `load_data`'s rows: padding with labels -100, or padding packed rows."""
+    """The collator for `load_data`'s rows: padding with labels -100, or packed rows padded, or flattened into
+    one row where the attention kernel runs variable-length sequences."""
     if recipe.packing:
+        if resolved_attention(recipe.attn_implementation) in VARLEN_KERNELS:
+            return FlattenedCollator()
         return PackedCollator(tokenizer.pad_token_id)
     if on_xla():  # one shape, one compiled graph: XLA compiles again for every new batch shape
         return DataCollatorForSeq2Seq(
