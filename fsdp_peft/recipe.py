@@ -73,13 +73,19 @@ def parse_recipe_config(
 
 
 def start_training(recipe: RecipeArguments, training: TrainingArguments):
-    """Claim the output directory, find and check the checkpoint to resume, seed, then load tokenizer and model
-    with adapters: the start every recipe shares. Returns ``(run, checkpoint, tokenizer, model)``."""
+    """Claim the output directory, find and check the checkpoint to resume, warn of remote code, seed, then load
+    tokenizer and model with adapters: the start every recipe shares. Returns ``(run, checkpoint, tokenizer,
+    model)``."""
     run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
     checkpoint = resume_point(training)
     if checkpoint is not None:
         check_resumable(Path(checkpoint), training, run.run_id)
         logger.info(f"resuming from {checkpoint}")
+    if recipe.trust_remote_code:
+        logger.warning(
+            f"trust_remote_code: true: running Python code from the repository of "
+            f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust"
+        )
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
     model = attach_lora(load_base_model(recipe, training), recipe, training)
@@ -92,11 +98,6 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     if training.include_num_input_tokens_seen == "no":
         training.include_num_input_tokens_seen = "non_padding"  # the summary reports the tokens trained on
     configure_for_training(training)
-    if recipe.trust_remote_code:
-        logger.warning(
-            f"trust_remote_code: true: running Python code from the repository of "
-            f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust"
-        )
     run, checkpoint, tokenizer, model = start_training(recipe, training)
     if recipe.packing:
         check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
