@@ -92,34 +92,51 @@ def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
 
 
 def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
-    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys.
+    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys; what the
+    preference trainers cannot run is refused first (`preference_refusal`)."""
+    if on_xla():
+        raise ConfigError(preference_refusal(None, {}))
+    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
+    if problem := preference_refusal(recipe, training):
+        raise ConfigError(problem)
+    return recipe, training
 
-    FSDP1 is refused: TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own
-    forward (its fused, chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage
-    ... out of bounds for storage of size 0"); FSDP2 gathers the head's unit around the whole forward.
-    XLA is refused: the TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only.
+
+def preference_refusal(recipe, training) -> str | None:
+    """Why the preference recipes refuse this run, in one line; ``None`` when they take it. ``training``: the
+    Trainer's arguments or the recipe's training keys (``fsdp-peft validate``). Read under the launch's
+    environment (the accelerate config's ``FSDP_*`` variables, ``PJRT_DEVICE``).
+
+    XLA: the TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only. FSDP1: TRL 1.16
+    computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused, chunked log-prob
+    head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for storage of size 0");
+    FSDP2 gathers the head's unit around the whole forward. QLoRA with gradient accumulation under FSDP:
+    measured 2026-12-01 (torch 2.13, trl 1.16), the second micro-step's backward fails inside FSDP2 with
+    "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine).
     """
     if on_xla():
-        raise ConfigError(
+        return (
             f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
             "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
         )
-    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
     settings = fsdp_settings(training)
     if settings is not None and settings.version == 1:
-        raise ConfigError(
+        return (
             "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
             "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
         )
-    if settings is not None and recipe.load_in_4bit and training.gradient_accumulation_steps > 1:
-        # Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
-        # "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine).
-        raise ConfigError(
-            f"gradient_accumulation_steps: {training.gradient_accumulation_steps} with load_in_4bit under FSDP "
+    accumulation = (
+        training.get("gradient_accumulation_steps", 1)
+        if isinstance(training, dict)
+        else training.gradient_accumulation_steps
+    )
+    if settings is not None and recipe.load_in_4bit and int(accumulation or 1) > 1:
+        return (
+            f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
             "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
             "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
         )
-    return recipe, training
+    return None
 
 
 @torch.no_grad()

@@ -364,6 +364,25 @@ def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
 
 
+def test_validate_gives_the_preference_recipes_refusals_under_the_launch(capsys):
+    """``fsdp-peft validate`` of a DPO config under an FSDP1 accelerate config: the recipe's own one-line refusal,
+    exit code 2, no traceback; under FSDP2 it is ok."""
+    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+    fsdp1 = REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["validate", str(config), "--accelerate-config", str(fsdp1)])
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith("error: fsdp_version: 1: TRL's preference trainers read the output head's weight outside")
+    )
+    fsdp2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
+    cli.main(["validate", str(config), "--accelerate-config", str(fsdp2)])
+    assert capsys.readouterr().out.strip() == f"{config}: ok under {fsdp2}"
+
+
 def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     from fsdp_peft.preference import parse_preference_config
 
