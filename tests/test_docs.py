@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,8 +432,9 @@ class Workspaces:
     outcomes: dict[Run, Outcome] = field(default_factory=dict)
 
     def run(self, run: Run) -> Outcome:
-        if run not in self.outcomes:
-            self.outcomes[run] = self._run(run, self.base / f"run{len(self.outcomes)}")
+        if run not in self.outcomes:  # a name of its own now: the run may first need a producer's run (`outputs`)
+            workspace = Path(tempfile.mkdtemp(prefix="run", dir=self.base))
+            self.outcomes[run] = self._run(run, workspace)
         return self.outcomes[run]
 
     def outputs(self, name: str) -> Path:
@@ -442,7 +444,6 @@ class Workspaces:
         return outcome.workspace / "outputs" / name
 
     def _run(self, run: Run, workspace: Path) -> Outcome:
-        workspace.mkdir()
         for name in ("recipes", "configs", ".ci"):
             (workspace / name).symlink_to(REPO / name)
         shutil.copytree(REPO / "benchmarks", workspace / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
