@@ -240,9 +240,14 @@ def tell(line: str) -> None:
 def base_config_fields(config) -> dict:
     """The fields of `BASE_FINGERPRINT_FIELDS` that ``config`` sets, plus its model_type."""
     text = config.get_text_config()
-    fields = {"model_type": config.model_type}
+    return fingerprint_fields(config.model_type, lambda name: getattr(text, name, None))
+
+
+def fingerprint_fields(model_type: str | None, value_of) -> dict:
+    """``model_type`` and the fields of `BASE_FINGERPRINT_FIELDS` that ``value_of(name)`` gives a plain value."""
+    fields = {"model_type": model_type}
     for name in BASE_FINGERPRINT_FIELDS:
-        value = getattr(text, name, None)
+        value = value_of(name)
         if isinstance(value, (bool, int, float, str)):
             fields[name] = value
     return fields
@@ -261,11 +266,8 @@ def raw_config_record(config: dict) -> dict | None:
     config class's defaults; ``None`` for a composite config (sub-configs: the class decides which is text)."""
     if any(isinstance(value, dict) and "model_type" in value for value in config.values()):
         return None
-    fields = {"model_type": config.get("model_type")}
-    for name in BASE_FINGERPRINT_FIELDS:
-        if isinstance(config.get(name), (bool, int, float, str)):
-            fields[name] = config[name]
     architecture = (config.get("architectures") or [None])[0]
+    fields = fingerprint_fields(config.get("model_type"), config.get)
     return {"architecture": architecture, "model_type": config.get("model_type"), "fields": fields}
 
 

@@ -344,15 +344,20 @@ def test_validate_plan_ls_and_cp_know_the_dpo_recipes(tmp_path, capsys):
     assert (tmp_path / "tiny.yaml").read_text().startswith("# DPO with LoRA")
 
 
-def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
-    from fsdp_peft.preference import parse_preference_config
-
+def launched_with_fsdp(monkeypatch, version: int) -> None:
+    """The environment ``accelerate launch`` sets for an FSDP accelerate config of this version."""
     for key, value in {
         "ACCELERATE_USE_FSDP": "true",
-        "FSDP_VERSION": "1",
+        "FSDP_VERSION": str(version),
         "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
     }.items():
         monkeypatch.setenv(key, value)
+
+
+def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
+    from fsdp_peft.preference import parse_preference_config
+
+    launched_with_fsdp(monkeypatch, 1)
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     with pytest.raises(ConfigError) as error:
         parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
@@ -395,12 +400,7 @@ def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
 def test_qlora_with_gradient_accumulation_under_fsdp_is_refused_with_one_line(monkeypatch, tmp_path):
     from fsdp_peft.preference import parse_preference_config
 
-    for key, value in {
-        "ACCELERATE_USE_FSDP": "true",
-        "FSDP_VERSION": "2",
-        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    }.items():
-        monkeypatch.setenv(key, value)
+    launched_with_fsdp(monkeypatch, 2)
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     argv = ["--output_dir", str(tmp_path), "--gradient_accumulation_steps", "2"]
     with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails"):
