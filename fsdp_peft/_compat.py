@@ -156,6 +156,14 @@ UPSTREAM: tuple[Upstream, ...] = (
         mentions=("lora_weight=lora_weight.detach()",),
     ),
     Upstream(
+        "peft.tuners.trainable_tokens.layer:TrainableTokensLayer.forward_adapters",
+        ("self", "x", "active_adapters"),
+        "fsdp_peft._compat.trainable_tokens_through_the_base_layer",
+        "trainable tokens read the frozen embedding's weight without calling it, so its FSDP1 unit never gathers",
+        "peft's trainable tokens call the base embedding (or FSDP1 gathers modules whose tensors are read)",
+        mentions=("get_merged_weights", "F.embedding"),
+    ),
+    Upstream(
         "bitsandbytes.nn:Linear4bit.forward",
         ("self", "x"),
         "fsdp_peft._compat.cpu_weight_repacking_disabled",
@@ -505,6 +513,60 @@ def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
             module.get_lora_weight = _without_grad(module.get_lora_weight)
             patched += 1
     return patched
+
+
+def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
+    """Replaces ``forward_adapters`` of every trainable-token layer of ``model`` on an embedding (on the instance)
+    by one that calls the frozen embedding and puts the trained rows over its output; returns how many.
+
+    Why: peft's forward reads ``base_layer.weight`` directly (``index_copy`` of the trained rows into it, then
+    ``F.embedding``) and never calls the base embedding. Under FSDP1 (flat parameters) the trained rows and the
+    frozen weight cannot share a unit, and a unit whose module is not called is never gathered, so the read
+    found a freed shard. Here the base embedding is called (its unit gathers) and the rows of the trained
+    tokens are taken from the delta: the same values (rows copied, in the weight's dtype) and the same
+    gradients (each trained row gets the sum over its positions). peft's own path still serves a disabled,
+    merged or ``max_norm``/``scale_grad_by_freq``/``sparse`` embedding.
+    Upstream: peft 0.21 ``TrainableTokensLayer.forward_adapters`` / ``get_merged_weights``.
+    Remove when: peft's trainable tokens call the base embedding.
+    """
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer  # lazy: patch target, resolved when patched
+
+    patched = 0
+    for module in model.modules():
+        if type(module) is TrainableTokensLayer and isinstance(module.base_layer, torch.nn.Embedding):
+            module.forward_adapters = functools.partial(_trained_rows_over_the_base_output, module)
+            patched += 1
+    return patched
+
+
+def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
+    base = layer.base_layer
+    if (
+        layer.disable_adapters
+        or not active_adapters
+        or layer.merged
+        or base.max_norm is not None
+        or base.scale_grad_by_freq
+        or base.sparse
+    ):
+        return type(layer).forward_adapters(layer, x, active_adapters, *args, **kwargs)
+    layer._check_overlapping_tokens(active_adapters)
+    result = base(x)  # called: FSDP1 gathers the frozen embedding's unit
+    embed_scale = layer._get_embed_scale()
+    for adapter in active_adapters:
+        indices = torch.tensor(layer.token_indices[adapter], device=x.device)
+        slots = torch.full((base.num_embeddings,), -1, dtype=torch.long, device=x.device)
+        slots[indices] = torch.arange(len(indices), device=x.device)  # trained row of each token id, or -1
+        slot = slots[x]
+        padding = base.padding_idx
+        padding_slot = int(slots[padding]) if padding is not None and int(slots[padding]) >= 0 else None
+        rows = torch.nn.functional.embedding(
+            slot.clamp(min=0), layer.trainable_tokens_delta[adapter].to(result), padding_idx=padding_slot
+        )
+        if embed_scale is not None:
+            rows = rows * embed_scale.to(rows.dtype)
+        result = torch.where((slot >= 0).unsqueeze(-1), rows, result)
+    return result
 
 
 def _without_grad(function: Callable) -> Callable:

@@ -154,7 +154,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def parameter_layout(model: torch.nn.Module) -> list[dict]:
-    """Per stored parameter (FSDP1: per flat parameter): dtype, trainable, full and local shape, placement."""
+    """Per stored parameter (FSDP1: per flat parameter, with the tensors it ``holds``): dtype, trainable, full
+    and local shape, placement."""
     layout = []
     for name, parameter in model.named_parameters():
         is_dtensor = isinstance(parameter, DTensor)
@@ -172,6 +173,8 @@ def parameter_layout(model: torch.nn.Module) -> list[dict]:
                 "placements": [str(p) for p in parameter.placements] if is_dtensor else None,
             }
         )
+        if hasattr(parameter, "_fqns"):  # FSDP1 flat parameter: the tensors flattened into it, by module path
+            layout[-1]["holds"] = [unit_name(f"{name.removesuffix('_flat_param')}{fqn}") for fqn in parameter._fqns]
     return layout
 
 

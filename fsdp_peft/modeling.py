@@ -16,7 +16,12 @@ from transformers import (
     TrainingArguments,
 )
 
-from fsdp_peft._compat import adapters_created_off_meta, cpu_weight_repacking_disabled, dora_lora_weight_without_graph
+from fsdp_peft._compat import (
+    adapters_created_off_meta,
+    cpu_weight_repacking_disabled,
+    dora_lora_weight_without_graph,
+    trainable_tokens_through_the_base_layer,
+)
 from fsdp_peft.attention import resolved_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
@@ -146,6 +151,8 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
     if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
         dora_lora_weight_without_graph(peft_model)
+    if recipe.trainable_token_indices:  # the same values, with the frozen embedding called (FSDP1 gathers it)
+        trainable_tokens_through_the_base_layer(peft_model)
     if initial_adapter is not None:
         base = resolve_model_path(recipe.model_name_or_path)
         start_from_initial_adapter(peft_model, initial_adapter, recipe.init_lora_weights, base)

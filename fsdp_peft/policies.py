@@ -62,15 +62,35 @@ def embeddings_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], 
     return [m for m in (embed, head) if m is not None], tied
 
 
+def reads_its_trainable_tensors(module: torch.nn.Module) -> bool:
+    """A peft layer that reads trainable tensors held in a ``ParameterDict`` inside its own forward (LoRA's
+    ``lora_embedding_A/B``, trainable tokens' ``trainable_tokens_delta``): the module FSDP1 must gather them in."""
+    return any(
+        isinstance(child, torch.nn.ParameterDict) and any(p.requires_grad for p in child.parameters())
+        for child in module.children()
+    )
+
+
 def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type]):
-    """FSDP1 policy: decoder layers, each trainable adapter leaf, and untied embeddings / head."""
+    """FSDP1 policy: decoder layers, each trainable adapter leaf, and untied embeddings / head.
+
+    A peft layer that reads its trainable tensors itself (`reads_its_trainable_tensors`) is a unit holding only
+    those, and its frozen ``base_layer`` (which it calls) a unit of its own; a wrapper around such a layer is
+    no unit itself (nothing would be left in it)."""
     modules, tied = embeddings_and_head(model)
-    own_units = set() if tied else {id(m) for m in modules}
+    readers = [m for m in model.modules() if reads_its_trainable_tensors(m)]
+    own_units = {id(m) for m in readers} | {id(m.base_layer) for m in readers if hasattr(m, "base_layer")}
+    if not tied:
+        own_units |= {
+            id(m)
+            for m in modules
+            if reads_its_trainable_tensors(m) or not any(map(reads_its_trainable_tensors, m.modules()))
+        }
 
     def is_own_unit(module: torch.nn.Module) -> bool:
         if id(module) in own_units:
             return True
-        weight = getattr(module, "weight", None)
+        weight = module._parameters.get("weight")  # not getattr: peft's token wrapper computes a merged weight
         return next(module.children(), None) is None and weight is not None and weight.requires_grad
 
     return functools.partial(

@@ -13,11 +13,13 @@ import json
 import re
 
 import torch
+from transformers import AutoConfig
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings
 from fsdp_peft.merge import init_reads_base_weights
+from fsdp_peft.paths import resolve_model_path
 
 INIT_CHOICES = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "eva")
 LOFTQ_BITS = (2, 4, 8)
@@ -208,17 +210,30 @@ def _trainable_tokens_and_their_embedding_copy_exclude_each_other(recipe, traini
     return None
 
 
-def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
-    if _fsdp_version(training) != 1:
-        return None
-    if recipe.trainable_token_indices or targets_embedding(recipe):
-        what = "trainable_token_indices" if recipe.trainable_token_indices else "LoRA on the embedding layer"
-        return (
-            f"{what} under FSDP1: its trainable tensors live inside the frozen embedding module, and FSDP1 "
-            "(use_orig_params: false) refuses to flatten trainable and frozen tensors together; "
-            "use FSDP2 (fsdp_version: 2)"
+def _ties_embeddings(recipe) -> bool:
+    """Whether the model's config (on this machine) ties the input embedding and the output head."""
+    try:
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(recipe.model_name_or_path),
+            local_files_only=True,
+            trust_remote_code=recipe.trust_remote_code,
         )
-    return None
+    except (OSError, ValueError):
+        return False  # not on this machine yet, or refused by another rule
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _fsdp1_keeps_tied_embeddings_in_the_root(recipe, training) -> str | None:
+    if _fsdp_version(training) != 1 or not (recipe.trainable_token_indices or targets_embedding(recipe)):
+        return None
+    if not _ties_embeddings(recipe):
+        return None
+    what = "trainable_token_indices" if recipe.trainable_token_indices else "LoRA on the embedding layer"
+    return (
+        f"{what} under FSDP1 with tied embeddings ({recipe.model_name_or_path} ties the input embedding and the "
+        "output head): FSDP1 keeps the tied weight in the root unit, and the embedding adapter's unit would hold a "
+        "second copy of it (trainable tokens also share their rows with the head); use FSDP2 (fsdp_version: 2)"
+    )
 
 
 VARIANT_RULES = [
@@ -226,7 +241,7 @@ VARIANT_RULES = [
     _eva_needs_the_whole_data_on_one_rank,
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,
-    _fsdp1_gathers_only_called_modules,
+    _fsdp1_keeps_tied_embeddings_in_the_root,
 ]
 
 

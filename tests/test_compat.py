@@ -8,6 +8,7 @@ import inspect
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, run_command
 from fsdp_peft import _compat
@@ -33,6 +34,7 @@ def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
         _compat.fsdp2_prepare_model_replaced,
         _compat.cpu_weight_repacking_disabled,
         _compat.dora_lora_weight_without_graph,
+        _compat.trainable_tokens_through_the_base_layer,
         _compat.state_switched_to_fsdp,
         _compat.xla_fsdp_optimizer_created,
     ]
@@ -97,3 +99,40 @@ def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tm
     assert len(lines) == 1 and lines[0].startswith("error: transformers "), result.stderr
     assert "update_fsdp_plugin_peft is gone" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trainable_tokens_through_the_base_layer_give_peft_values_and_gradients(dtype, tiny_model_dir):
+    """The patched forward calls the frozen embedding (FSDP1 gathers it) and gives peft's own output and
+    gradient of the trained rows, fp32 master rows over an fp32 or bf16 base; a padding token among them gets none."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    base.get_input_embeddings().padding_idx = 5
+    config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5, 7], task_type="CAUSAL_LM")
+    model = get_peft_model(base, config, autocast_adapter_dtype=True)
+    layer = next(m for m in model.modules() if isinstance(m, TrainableTokensLayer))
+    delta = layer.trainable_tokens_delta["default"]
+    delta.data = delta.data.float() + torch.randn_like(delta.data.float())  # trained rows differ from the base
+    ids = torch.tensor([[1, 3, 5, 7, 3, 9, 7, 3], [2, 7, 7, 4, 5, 3, 8, 1]])
+    weights = torch.randn(2, 8, base.config.hidden_size)
+
+    def output_and_gradient():
+        delta.grad = None
+        output = layer(ids)
+        (output.float() * weights).sum().backward()
+        return output.detach(), delta.grad.clone()
+
+    calls = []
+    layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
+    expected, expected_grad = output_and_gradient()
+    assert calls == []  # peft's own forward never calls the frozen embedding
+    assert _compat.trainable_tokens_through_the_base_layer(model) == 1
+    output, grad = output_and_gradient()
+    assert calls == [layer.base_layer]
+    assert output.dtype == expected.dtype == dtype and torch.equal(output, expected)
+    assert grad.dtype == torch.float32 and torch.equal(grad, expected_grad)
+    assert torch.equal(grad[1], torch.zeros_like(grad[1])) and grad[0].abs().sum() > 0  # row 5 is the padding

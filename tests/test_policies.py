@@ -49,6 +49,32 @@ def test_fsdp1_policy_wraps_layers_adapter_leaves_and_untied_embeddings_only(pef
     assert not any(n.endswith(("base_layer", "q_proj", "norm")) for n in wrapped)  # frozen leaves stay in their layer
 
 
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        {"trainable_token_indices": [3, 5, 7], "target_modules": ["q_proj"]},
+        {"target_modules": ["q_proj", "embed_tokens"]},
+    ],
+    ids=["tokens", "embedding-lora"],
+)
+def test_fsdp1_policy_gives_embedding_adapters_and_their_frozen_base_units_of_their_own(adapter, tiny_model_dir):
+    """The peft layer that reads its trainable rows itself is a unit holding only those; the frozen embedding
+    it calls is another; the token wrapper around them is none (nothing would be left in it)."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=4, task_type="CAUSAL_LM", **adapter))
+    policy = fsdp1_wrap_policy(model, {LlamaDecoderLayer})
+    wrapped = {name for name, m in model.named_modules() if name and policy(m, recurse=False, nonwrapped_numel=0)}
+    embed = "base_model.model.model.embed_tokens"
+    reader = f"{embed}.token_adapter" if "trainable_token_indices" in adapter else embed
+    assert {n for n in wrapped if n.startswith(embed)} == {reader, f"{reader}.base_layer"}
+    modules = dict(model.named_modules())
+    own = [
+        p for p in modules[reader].parameters() if not any(p is q for q in modules[f"{reader}.base_layer"].parameters())
+    ]
+    assert own and all(p.requires_grad and p.dtype == torch.float32 for p in own)
+    assert not any(p.requires_grad for p in modules[f"{reader}.base_layer"].parameters())
+
+
 @pytest.mark.slow
 def test_fsdp1_generate_is_registered_behind_torch_compile(tiny_model_dir):
     """torch_compile wraps the FSDP1 root in an OptimizedModule; generate must still gather the root's weights

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import REPO, tiny_llama_in_4bit
@@ -209,11 +211,11 @@ CASES = {
         ["--trainable_token_indices", "3", "--lora_modules_to_save", "embed_tokens"],
         "trainable_token_indices: trains rows of the embedding that lora_modules_to_save (embed_tokens) already",
     ),
-    "_fsdp1_gathers_only_called_modules": (
+    "_fsdp1_keeps_tied_embeddings_in_the_root": (
         LORA_TINY,
         ACCELERATE_FSDP1,
-        ["--trainable_token_indices", "3"],
-        "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
+        ["--trainable_token_indices", "3", "--model_name_or_path", "{tied_model}"],
+        "trainable_token_indices under FSDP1 with tied embeddings ({tied_model} ties the input embedding and the",
     ),
 }
 
@@ -225,7 +227,10 @@ def odd_models(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
     (root / "t5").mkdir()
     (root / "t5" / "config.json").write_text('{"model_type": "t5", "d_model": 64, "num_layers": 1}')
     tiny_llama_in_4bit(tiny_model_dir).save_pretrained(root / "prequantized")
-    return {"t5_model": str(root / "t5"), "prequantized": str(root / "prequantized")}
+    (root / "tied").mkdir()  # the rules read its config only
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (root / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return {"t5_model": str(root / "t5"), "prequantized": str(root / "prequantized"), "tied_model": str(root / "tied")}
 
 
 def test_a_prequantized_4bit_base_validates_with_its_own_settings(odd_models, tmp_path, monkeypatch):
@@ -271,6 +276,17 @@ def test_the_shipped_defaults_pass_every_rule_under_both_fsdp_versions(monkeypat
             monkeypatch.setenv(key, value)
         for config in (QLORA_TINY, LORA_TINY):
             parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path)], config, str(tmp_path))
+
+
+def test_trainable_tokens_and_embedding_lora_pass_under_fsdp1_with_untied_embeddings(monkeypatch, tmp_path):
+    for key, value in ACCELERATE_FSDP1.items():
+        monkeypatch.setenv(key, value)
+    base = ["--config", str(LORA_TINY), "--output_dir", str(tmp_path)]
+    recipe, _ = parse_recipe_config([*base, "--trainable_token_indices", "3"], LORA_TINY, str(tmp_path))
+    assert recipe.trainable_token_indices == [3]
+    targets = ["--lora_target_modules", "q_proj", "embed_tokens"]
+    recipe, _ = parse_recipe_config([*base, *targets], LORA_TINY, str(tmp_path))
+    assert "embed_tokens" in recipe.lora_target_modules
 
 
 def test_yaml_route_settings_follow_transformers_defaults():

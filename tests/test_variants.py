@@ -82,7 +82,7 @@ def variant_config(directory, variant: str, per_device_batch: int):
 
 
 FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
-RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1)]
+RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1), ("tokens", 1), ("embedding", 1)]
 _runs: dict = {}
 
 
@@ -154,11 +154,12 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     layout = read_json(run["dir"] / "fsdp_layout.json")
     trainable = [p for p in layout["parameters"] if p["trainable"]]
     for marker in VARIANT_TENSORS[run["variant"]]:
-        holders = [p for p in trainable if marker in p["name"]]
+        holders = [p for p in trainable if marker in p["name"] or any(marker in n for n in p.get("holds", ()))]
         assert holders, f"no trainable {marker} in the layout report"
         if run["version"] == 1:  # its own unit: one flat parameter, uniform fp32, apart from frozen tensors
             assert all(p["name"].endswith("._flat_param") and p["dtype"] == "float32" for p in holders)
             assert {p["name"].removesuffix("._flat_param") for p in holders} <= set(layout["units"])
+            assert all(".lora_" in n or marker in n for p in holders for n in p["holds"])
     for parameter in trainable:  # every trainable tensor is split over both ranks
         full, local = math.prod(parameter["shape"]), math.prod(parameter["local_shape"])
         assert math.ceil(full / 2) <= local < full, parameter["name"]
