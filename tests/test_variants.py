@@ -1,11 +1,11 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
-Variants are combined so that seven 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, QDoRA
-with a trained head copy (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by low-memory
-loading). Each run is compared with one process with the same global batch and seed;
-its saved adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its
-measured per-rank bytes with the planner's.
+Variants are combined so that nine 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
+``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init (FSDP2 and FSDP1), LoRA on the embedding +
+PiSSA init (FSDP2 and FSDP1), QDoRA with a trained head copy and trainable tokens (FSDP2 and FSDP1), and PiSSA
+on the 4-bit base (its residual read by low-memory loading). Each run is compared with one process with the same
+global batch and seed; its saved adapter is reloaded by plain peft, its export compared with peft's
+``merge_and_unload()`` and its measured per-rank bytes with the planner's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ VARIANTS = {
         "llama_lora",
         {"lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "init_lora_weights": "pissa_niter_4"},
     ),
-    "qdora": ("llama_qlora", {"use_dora": True, "lora_modules_to_save": ["lm_head"]}),
+    "qdora": (
+        "llama_qlora",
+        {"use_dora": True, "lora_modules_to_save": ["lm_head"], "trainable_token_indices": [3, 5]},
+    ),
     "qpissa": ("llama_qlora", {"init_lora_weights": "pissa_niter_4"}),  # 4-bit residual, low-memory loading
 }
 # what each variant adds to the trainable tensors, as named in the FSDP layout report
@@ -53,7 +56,7 @@ VARIANT_TENSORS = {
     "dora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
     "tokens": ("trainable_tokens_delta",),
     "embedding": ("lora_embedding_A", "lora_embedding_B"),
-    "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
+    "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save", "trainable_tokens_delta"),
     "qpissa": ("lora_A", "lora_B"),
 }
 LAUNCHER_SETTINGS = {"qpissa": {"fsdp_cpu_ram_efficient_loading": "true"}}  # rank 0 reads the residual, scatters
@@ -82,7 +85,8 @@ def variant_config(directory, variant: str, per_device_batch: int):
 
 
 FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
-RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1), ("tokens", 1), ("embedding", 1)]
+FSDP1_EMBEDDING_RUNS = [("tokens", 1), ("embedding", 1)]  # the embedding adapter and its frozen base: two units
+RUNS = [*FSDP2_RUNS, ("dora", 1), ("qdora", 1), *FSDP1_EMBEDDING_RUNS]
 _runs: dict = {}
 
 
@@ -118,6 +122,11 @@ def run(request, tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(params=FSDP2_RUNS, ids=lambda p: f"{p[0]}-fsdp{p[1]}")
 def fsdp2_run(request, tmp_path_factory, tiny_model_dir):
+    return two_rank_run(*request.param, tmp_path_factory, tiny_model_dir)
+
+
+@pytest.fixture(params=FSDP2_RUNS + FSDP1_EMBEDDING_RUNS, ids=lambda p: f"{p[0]}-fsdp{p[1]}")
+def exported_run(request, tmp_path_factory, tiny_model_dir):
     return two_rank_run(*request.param, tmp_path_factory, tiny_model_dir)
 
 
@@ -242,10 +251,10 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(torch.int32).long() - b.contiguous().view(torch.int32).long()).abs().max())
 
 
-def test_export_equals_peft_merge_and_unload_in_fp32(fsdp2_run, tmp_path):
+def test_export_equals_peft_merge_and_unload_in_fp32(exported_run, tmp_path):
     from peft import PeftModel
 
-    run = fsdp2_run
+    run = exported_run
     out = export_merged(run["dir"] / "adapter", tmp_path / "merged", dtype="fp32", progress=False)
     exported = {}
     for path in sorted(out.glob("*.safetensors")):
@@ -256,8 +265,9 @@ def test_export_equals_peft_merge_and_unload_in_fp32(fsdp2_run, tmp_path):
     distances = {key: _ulps(exported[key], expected[key]) for key in exported}
     changed = sum(not torch.equal(exported[key], base[key]) for key in exported)
     print(
-        f"{run['variant']}: export vs peft merge_and_unload, {len(distances)} tensors ({changed} changed by the "
-        f"adapter): {sum(d == 0 for d in distances.values())} bit-identical, largest {max(distances.values())} ulp"
+        f"{run['variant']} FSDP{run['version']}: export vs peft merge_and_unload, {len(distances)} tensors "
+        f"({changed} changed by the adapter): {sum(d == 0 for d in distances.values())} bit-identical, "
+        f"largest {max(distances.values())} ulp"
     )
     assert max(distances.values()) <= 1, {k: d for k, d in distances.items() if d > 1}
     assert changed >= len(VARIANT_TENSORS[run["variant"]])
