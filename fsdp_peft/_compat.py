@@ -18,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -386,7 +387,8 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
     import accelerate.utils.fsdp_utils as fsdp_utils  # lazy: patch target, resolved when patched
     import transformers.trainer  # lazy: patch target, resolved when patched
 
-    by_key = {name.replace(f".{adapter}.", "."): name for name in trainable_names}
+    # the adapter name dropped, inside a name or at its end (``trainable_tokens_delta.default``)
+    by_key = {re.sub(rf"\.{re.escape(adapter)}(?=\.|$)", "", name): name for name in trainable_names}
     original_get, original_set = fsdp_utils._get_model_state_dict, fsdp_utils._set_model_state_dict
     original_load_optimizer = transformers.trainer.load_fsdp_optimizer
 

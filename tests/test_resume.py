@@ -93,11 +93,13 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
 
 
 def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tiny_model_dir):
-    """FSDP1 checkpoints hold the adapter and its optimizer state (accelerate alone saves neither)."""
+    """FSDP1 checkpoints hold the adapter and its optimizer state (accelerate alone saves neither), trainable
+    token rows included (a unit of their own, `fsdp_peft.policies.fsdp1_wrap_policy`)."""
     fsdp1 = {"accelerate_config": REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"}
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
-    launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *COMMON, **fsdp1)
-    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *COMMON, **fsdp1)
+    common = [*COMMON, "--trainable_token_indices", "3", "5", "7"]
+    launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *common, **fsdp1)
+    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *common, **fsdp1)
     shutil.rmtree(interrupted / "checkpoint-6")
     launch_recipe(
         "llama_lora",
@@ -105,7 +107,7 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
         str(interrupted),
         "--max_steps",
         "10",
-        *COMMON,
+        *common,
         "--resume_from_checkpoint",
         str(interrupted / "checkpoint-5"),
         **fsdp1,
@@ -120,6 +122,7 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
     from fsdp_peft.export import read_sharded_adapter
 
     assert sorted(read_sharded_adapter(interrupted / "checkpoint-5")) == sorted(reference)  # FSDP2's keys
+    assert "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta" in reference
 
 
 def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):
