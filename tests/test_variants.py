@@ -169,6 +169,14 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
             assert all(p["name"].endswith("._flat_param") and p["dtype"] == "float32" for p in holders)
             assert {p["name"].removesuffix("._flat_param") for p in holders} <= set(layout["units"])
             assert all(".lora_" in n or marker in n for p in holders for n in p["holds"])
+    if run["version"] == 1 and {"trainable_tokens_delta", "lora_embedding_A"} & set(VARIANT_TENSORS[run["variant"]]):
+        # the frozen embedding the adapter calls: a unit of its own, sharded, in the model's dtype
+        (base,) = [
+            p for p in layout["parameters"] if re.search(r"embed_tokens\.(token_adapter\.)?base_layer\.", p["name"])
+        ]
+        assert base["holds"] == [base["name"].replace("_flat_param", "weight")] and not base["trainable"]
+        assert base["local_shape"][0] == base["shape"][0] // 2
+        assert base["dtype"] == ("bfloat16" if run["recipe"] == "llama_qlora" else "float32")
     for parameter in trainable:  # every trainable tensor is split over both ranks
         full, local = math.prod(parameter["shape"]), math.prod(parameter["local_shape"])
         assert math.ceil(full / 2) <= local < full, parameter["name"]
