@@ -9,7 +9,9 @@ decides, before the model is prepared:
   ``SIZE_BASED_WRAP`` is refused in `fsdp_peft.validation` under both versions. FSDP1 also gives every
   trainable adapter leaf a unit
   of its own, so no flat parameter mixes trainable and frozen (or fp32 and bf16) tensors, and gives
-  untied embeddings and head units of their own; tied ones stay together in the root. FSDP2 shards
+  untied embeddings and head units of their own; tied ones stay together in the root. Embedding LoRA and
+  trainable tokens, whose peft layer reads its trainable rows itself, get that layer as a unit holding only
+  the rows and its frozen base embedding as another. FSDP2 shards
   per parameter, and accelerate already carves the untied embeddings and the final norm + head.
 - **mixed precision**: parameters are gathered and computed in the mixed-precision dtype (for QLoRA
   this equals ``bnb_4bit_quant_storage``, checked in `fsdp_peft.validation`), gradients are reduced
@@ -81,11 +83,7 @@ def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type]):
     readers = [m for m in model.modules() if reads_its_trainable_tensors(m)]
     own_units = {id(m) for m in readers} | {id(m.base_layer) for m in readers if hasattr(m, "base_layer")}
     if not tied:
-        own_units |= {
-            id(m)
-            for m in modules
-            if reads_its_trainable_tensors(m) or not any(map(reads_its_trainable_tensors, m.modules()))
-        }
+        own_units |= {id(m) for m in modules if not any(map(reads_its_trainable_tensors, m.modules()))}
 
     def is_own_unit(module: torch.nn.Module) -> bool:
         if id(module) in own_units:
