@@ -32,7 +32,7 @@ from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.policies import decoder_layer_classes
+from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import mixed_precision_dtype
 from fsdp_peft.variants import lora_config_arguments, stored_weight
 from fsdp_peft.xla import xla_plan
@@ -158,8 +158,26 @@ def meta_peft_model(model_config, recipe):
         return get_peft_model(model, lora)
 
 
-def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None, gather_bytes: int) -> ModelCounts:
-    """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them."""
+def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[torch.nn.Parameter]]:
+    """The tensors FSDP1 flattens together, one list per unit (`fsdp_peft.policies.fsdp1_wrap_policy`, the root
+    unit holding what no other unit does): each tensor belongs to the smallest unit around it."""
+    policy = fsdp1_wrap_policy(peft_model, layer_classes)
+    units = [peft_model] + [
+        m for m in peft_model.modules() if m is not peft_model and policy(module=m, recurse=False, nonwrapped_numel=0)
+    ]
+    held = [{id(p): p for p in unit.parameters()} for unit in units]  # nested units hold subsets
+    flat: dict[int, list] = {}
+    for parameter in peft_model.parameters():
+        owner = min((i for i, tensors in enumerate(held) if id(parameter) in tensors), key=lambda i: len(held[i]))
+        flat.setdefault(owner, []).append(parameter)
+    return list(flat.values())
+
+
+def count_model(
+    peft_model, recipe, world_size: int, mixed_precision: str | None, gather_bytes: int, fsdp_version: int = 2
+) -> ModelCounts:
+    """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them: FSDP2 splits
+    each tensor's dim 0 (`shard_numel`), FSDP1 each unit's flat parameter evenly (`fsdp1_flat_parameters`)."""
     base_bytes, adapter_bytes = storage_dtype_bytes(recipe, mixed_precision)
     storage_bytes = DTYPE_BYTES.get(recipe.bnb_4bit_quant_storage, 1)
     inner = peft_model.get_base_model()
@@ -189,6 +207,18 @@ def count_model(peft_model, recipe, world_size: int, mixed_precision: str | None
         else:
             counts.base_parameters += parameter.numel()
             counts.base_bytes += shard_numel(tuple(parameter.shape), world_size) * base_bytes
+    if fsdp_version == 1 and world_size > 1:  # one flat parameter per unit, padded to a multiple of the ranks
+        counts.adapter_bytes = counts.base_bytes = counts.adapter_tensors = 0
+        for tensors in fsdp1_flat_parameters(peft_model, set(decoder_layer_classes(inner))):
+            numel = sum(
+                math.prod(packed_4bit_shape(p.numel(), storage_bytes)) if id(p) in quantized else p.numel()
+                for p in tensors
+            )
+            if tensors[0].requires_grad:  # the policy keeps trainable and frozen tensors in separate units
+                counts.adapter_bytes += math.ceil(numel / world_size) * adapter_bytes
+                counts.adapter_tensors += 1
+            else:
+                counts.base_bytes += math.ceil(numel / world_size) * base_bytes
     if layers:
         counts.layer_gathered_bytes = sum(
             (math.ceil(p.numel() / 2) if id(p) in quantized else p.numel() * gather_bytes)
@@ -292,13 +322,12 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         notes.append("no FSDP settings in the config: assumed FSDP2 full sharding (pass --accelerate-config FILE)")
     shard_over = ranks if (settings is not None or ranks > 1) else 1
     fsdp = "none" if shard_over == 1 and settings is None else f"FSDP{settings.version if settings else 2}"
-    if settings is not None and settings.version == 1:
-        notes.append("FSDP1 shards flat parameters per unit; per-parameter FSDP2 sharding is counted (close)")
     mixed = mixed_precision_dtype(training)
     compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
     gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
-    counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes)
+    version = settings.version if settings is not None else 2
+    counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes, version)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
