@@ -22,6 +22,7 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
+from fsdp_peft.new_tokens import add_new_tokens, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.residual import (
     INITIAL_ADAPTER_SOURCE,
@@ -53,6 +54,8 @@ def load_tokenizer(recipe: RecipeArguments):
     family = family_for(AutoConfig.from_pretrained(path, trust_remote_code=remote).model_type)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = pad_token_for(tokenizer, family)
+    if recipe.new_special_tokens:  # the model grows to match (`fsdp_peft.new_tokens.grow_vocabulary`)
+        add_new_tokens(tokenizer, list(recipe.new_special_tokens))
     if recipe.use_chat_template and not tokenizer.chat_template:
         raise ConfigError(
             f"use_chat_template: the tokenizer of {recipe.model_name_or_path} has no chat template; "
@@ -118,14 +121,17 @@ def initialisation_checkpoint(recipe: RecipeArguments, path: str, training, devi
 
 
 def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bool = False) -> LoraConfig:
-    """peft's ``LoraConfig`` for the recipe (``shapes_only``: no initialisation from the base weights)."""
+    """peft's ``LoraConfig`` for the recipe (``shapes_only``: no initialisation from the base weights); the rows of
+    new tokens (`fsdp_peft.new_tokens`) join the trainable tokens."""
+    arguments = lora_config_arguments(recipe, shapes_only)
+    arguments["trainable_token_indices"] = trained_token_indices(model, recipe.trainable_token_indices)
     return LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
         target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
-        **lora_config_arguments(recipe, shapes_only),
+        **arguments,
     )
 
 

@@ -31,6 +31,8 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA
+from fsdp_peft.modeling import load_tokenizer
+from fsdp_peft.new_tokens import grow_vocabulary, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.validation import mixed_precision_dtype
@@ -147,13 +149,19 @@ def meta_peft_model(model_config, recipe):
     """The model with the recipe's LoRA adapters, on the meta device: shapes without memory."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=recipe.trust_remote_code)
+        if recipe.new_special_tokens:  # the grown embedding and head (and logits), their new rows trained
+            grow_vocabulary(model, load_tokenizer(recipe), recipe)
+            model_config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
         lora = LoraConfig(
             r=recipe.lora_r,
             lora_alpha=recipe.lora_alpha,
             lora_dropout=recipe.lora_dropout,
             target_modules=lora_targets(recipe.lora_target_modules, family_for(model_config.model_type)),
             task_type="CAUSAL_LM",
-            **lora_config_arguments(recipe, shapes_only=True),
+            **{
+                **lora_config_arguments(recipe, shapes_only=True),
+                "trainable_token_indices": trained_token_indices(model, recipe.trainable_token_indices),
+            },
         )
         return get_peft_model(model, lora)
 
