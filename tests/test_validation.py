@@ -215,6 +215,24 @@ CASES = {
         ["--trainable_token_indices", "3"],
         "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
     ),
+    "_trainable_tokens_start_from_loaded_rows": (
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
+        ["--trainable_token_indices", "3"],
+        "trainable_token_indices with cpu_ram_efficient_loading: peft copies the trained rows out of the embedding",
+    ),
+    "_new_special_tokens_are_new": (
+        LORA_TINY,
+        {},
+        ["--new_special_tokens", "<|tool_call|>", "<|user|>"],
+        "new_special_tokens: '<|user|>' is already in the tokenizer's vocabulary; drop it from new_special_tokens",
+    ),
+    "_new_tokens_train_as_trainable_tokens": (
+        LORA_TINY,
+        {},
+        ["--new_special_tokens", "<|tool_call|>", "--lora_modules_to_save", "lm_head"],
+        "new_special_tokens: the new rows of the output head are trained as trainable tokens, which peft cannot",
+    ),
 }
 
 

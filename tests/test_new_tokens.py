@@ -1,0 +1,63 @@
+"""New tokens (`fsdp_peft.new_tokens`): the key's checks, the new rows' values, the grown model peft wraps.
+
+The 2-rank run, reload, export and plan of a run with new tokens: tests/test_variants.py (the tokens variant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import REPO
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.modeling import load_base_model, load_tokenizer, lora_config
+from fsdp_peft.new_tokens import grow_vocabulary, new_tokens_of, with_new_rows
+from fsdp_peft.recipe import parse_recipe_config
+
+LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
+
+
+def _recipe(tmp_path, *argv):
+    return parse_recipe_config(["--config", str(LORA_TINY), "--output_dir", str(tmp_path), *argv], LORA_TINY, "x")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        (["<|a|>", "<|a|>"], "new_special_tokens: '<|a|>' is listed twice; list each new token once"),
+        (["<|a|>", " "], "new_special_tokens: every token must be a non-empty string, got ' '"),
+        (["<|end|>"], "new_special_tokens: '<|end|>' is already in the tokenizer's vocabulary"),
+        (["<|a|>", "<|a|>", "<|end|>"], "new_special_tokens: '<|a|>' is listed twice"),  # one line per problem
+    ],
+)
+def test_new_special_tokens_must_be_new_distinct_strings(tmp_path, tokens, message):
+    with pytest.raises(ConfigError) as error:
+        _recipe(tmp_path, "--new_special_tokens", *tokens)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+
+
+def test_new_rows_are_the_mean_of_the_existing_vocabulary_and_draw_no_random_numbers():
+    weight = torch.arange(12, dtype=torch.float32).view(4, 3)
+    grown = with_new_rows(weight, [4, 5], 6)
+    assert torch.equal(grown[:4], weight)
+    assert torch.equal(grown[4], weight.mean(0)) and torch.equal(grown[5], weight.mean(0))
+    inside = with_new_rows(weight, [2], 4)  # a padded vocabulary: the new id inside the embedding's rows
+    assert torch.equal(inside[[0, 1, 3]], weight[[0, 1, 3]]) and torch.equal(inside[2], weight[:2].mean(0))
+
+
+def test_grown_model_trains_exactly_the_new_rows_of_embedding_and_untied_head(tmp_path):
+    recipe, _ = _recipe(tmp_path, "--new_special_tokens", "<|tool_call|>", "<|tool_result|>")
+    recipe.trainable_token_indices = [3]
+    tokenizer = load_tokenizer(recipe)
+    model = load_base_model(recipe)
+    before = model.get_input_embeddings().weight.detach().clone()
+    state = torch.random.get_rng_state()
+    grow_vocabulary(model, tokenizer, recipe)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the LoRA draws that follow are unchanged
+    new = new_tokens_of(model)
+    assert new.ids == [262, 263] and (new.base_rows, new.rows) == (262, 264) and len(tokenizer) == 264
+    assert new.grown == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert model.config.vocab_size == 264 and model.lm_head.weight.shape == (264, 128)
+    embedding = model.get_input_embeddings().weight
+    assert torch.equal(embedding[:262], before) and torch.equal(embedding[262], before.mean(0))
+    indices = lora_config(recipe, model).trainable_token_indices
+    assert indices == {"embed_tokens": [3, 262, 263], "lm_head": [262, 263]}
