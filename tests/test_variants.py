@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, launch_recipe, read_json, run_command, tiny_llama_in_4bit
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
@@ -44,7 +44,13 @@ VARIANTS = {
     ),
     "tokens": (
         "llama_lora",
-        {"trainable_token_indices": [3, 5, 7], "init_lora_weights": "olora", "new_special_tokens": NEW_TOKENS},
+        {
+            "trainable_token_indices": [3, 5, 7],
+            "init_lora_weights": "olora",
+            "new_special_tokens": NEW_TOKENS,
+            "save_strategy": "steps",  # checkpoint-3, resumed on one rank
+            "save_steps": 3,
+        },
     ),
     "embedding": (
         "llama_lora",
@@ -346,3 +352,31 @@ def test_new_tokens_export_and_generate_use_the_grown_vocabulary(tmp_path, tmp_p
         }
     print(f"new tokens: largest logit difference to the trained model (fp32): {worst}")
     assert want.shape[-1] == base_vocab + 2 and max(worst.values()) <= 1e-5, worst
+
+
+def test_new_tokens_checkpoint_resumes_on_one_rank_with_the_uninterrupted_losses(
+    tmp_path, tmp_path_factory, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    run = two_rank_run("tokens", 2, tmp_path_factory, tiny_model_dir)
+    checkpoint = run["dir"] / "checkpoint-3"
+    assert read_new_tokens(checkpoint).rows == read_json(tiny_model_dir / "config.json")["vocab_size"] + 2
+    assert (
+        AutoTokenizer.from_pretrained(checkpoint).convert_tokens_to_ids(NEW_TOKENS) == read_new_tokens(checkpoint).ids
+    )
+    config = variant_config(tmp_path, "tokens", 2 * PER_RANK_BATCH)  # the same global batch on one rank
+    accelerate_config = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"  # its sharded state, resharded
+    launch_recipe(
+        "llama_lora",
+        "--config",
+        str(config),
+        "--resume_from_checkpoint",
+        str(checkpoint),
+        processes=1,
+        accelerate_config=accelerate_config,
+    )
+    resumed, uninterrupted = logged_losses(tmp_path / "out"), logged_losses(run["dir"])
+    worst = max(abs(resumed[step] - uninterrupted[step]) / uninterrupted[step] for step in (4, 5))
+    print(f"new tokens: 2-rank checkpoint-3 resumed on one rank, steps 4-5 vs uninterrupted: {worst:.2e} relative")
+    assert worst <= 1e-5, (resumed, uninterrupted)
