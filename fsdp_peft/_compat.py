@@ -432,7 +432,8 @@ def adapters_created_off_meta():
 
     Why: peft moves new adapter weights to the base layer's device, for a skeleton the meta device, which drops
     their initial values. Creation, initialisation and dtype casts are unchanged, so they draw the same random
-    numbers and give the same values as on a loaded model; only the final moves to meta are undone.
+    numbers and give the same values as on a loaded model; only the final moves to meta are undone. Trainable
+    tokens copy their rows out of the (meta) base weight: they become empty CPU tensors, filled by the loader.
     Only entered for skeleton models (`fsdp_peft.modeling.attach_lora`); a loaded model never sees it.
     Remove when: peft keeps the adapters of meta base layers materialised.
     """
@@ -446,6 +447,7 @@ def adapters_created_off_meta():
         base_device, _ = self._get_base_layer_device_and_dtype(self.get_base_layer())
         if device is None and base_device is not None and base_device.type == "meta":
             device = torch.device("cpu")
+            _adapter_tensors_off_meta(self, adapter_name)
         return original_move(self, adapter_name, device=device)
 
     def replace(self, parent, child_name, new_module, child):
@@ -462,6 +464,20 @@ def adapters_created_off_meta():
     finally:
         BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
         LoraModel._replace_module = original_replace
+
+
+def _adapter_tensors_off_meta(layer, adapter_name: str) -> None:
+    """Adapter tensors peft copied out of meta base weights (trainable tokens: the base rows) become empty CPU
+    tensors of their shape; the low-memory loader fills them (`fsdp_peft.loading.load_sharded_weights`)."""
+    for attribute in (*layer.adapter_layer_names, *layer.other_param_names):
+        container = getattr(layer, attribute, None)
+        if not isinstance(container, torch.nn.Module) or adapter_name not in container:
+            continue
+        value = container[adapter_name]
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            empty = torch.empty_like(value, device="cpu")
+            trainable = isinstance(value, torch.nn.Parameter)
+            container[adapter_name] = torch.nn.Parameter(empty, value.requires_grad) if trainable else empty
 
 
 @contextlib.contextmanager

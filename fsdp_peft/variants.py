@@ -223,17 +223,6 @@ def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
     return None
 
 
-def _trainable_tokens_start_from_loaded_rows(recipe, training) -> str | None:
-    settings = _settings(training)
-    if recipe.trainable_token_indices and settings and settings.version == 2 and settings.cpu_ram_efficient_loading:
-        return (
-            "trainable_token_indices with cpu_ram_efficient_loading: peft copies the trained rows out of the embedding "
-            "when it attaches them, and there the embedding holds no weights yet (measured: 'Cannot copy out of "
-            "meta tensor'); set cpu_ram_efficient_loading: false"
-        )
-    return None
-
-
 def _new_special_tokens_are_new(recipe, training) -> str | None:
     tokens = list(recipe.new_special_tokens)
     if not tokens:
@@ -276,7 +265,6 @@ def _new_tokens_train_as_trainable_tokens(recipe, training) -> str | None:
     rules = (
         _trainable_tokens_and_their_embedding_copy_exclude_each_other,
         _fsdp1_gathers_only_called_modules,
-        _trainable_tokens_start_from_loaded_rows,
     )
     for rule in rules:
         if problem := rule(probe, training):
@@ -290,7 +278,6 @@ VARIANT_RULES = [
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,
     _fsdp1_gathers_only_called_modules,
-    _trainable_tokens_start_from_loaded_rows,
     _new_special_tokens_are_new,
     _new_tokens_train_as_trainable_tokens,
 ]

@@ -215,12 +215,6 @@ CASES = {
         ["--trainable_token_indices", "3"],
         "trainable_token_indices under FSDP1: its trainable tensors live inside the frozen embedding module, and",
     ),
-    "_trainable_tokens_start_from_loaded_rows": (
-        LORA_TINY,
-        {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
-        ["--trainable_token_indices", "3"],
-        "trainable_token_indices with cpu_ram_efficient_loading: peft copies the trained rows out of the embedding",
-    ),
     "_new_special_tokens_are_new": (
         LORA_TINY,
         {},

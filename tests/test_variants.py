@@ -1,7 +1,8 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
 Variants are combined so that seven 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init, LoRA on the embedding + PiSSA init, QDoRA
+``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + new tokens + OLoRA init (low-memory loading, a checkpoint
+resumed on one rank), LoRA on the embedding + PiSSA init, QDoRA
 with a trained head copy (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by low-memory
 loading). Each run is compared with one process with the same global batch and seed;
 its saved adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its
@@ -67,7 +68,8 @@ VARIANT_TENSORS = {
     "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
     "qpissa": ("lora_A", "lora_B"),
 }
-LAUNCHER_SETTINGS = {"qpissa": {"fsdp_cpu_ram_efficient_loading": "true"}}  # rank 0 reads the residual, scatters
+LOW_MEMORY_LOADING = {"fsdp_cpu_ram_efficient_loading": "true"}  # rank 0 reads, every rank receives its shards
+LAUNCHER_SETTINGS = {"qpissa": LOW_MEMORY_LOADING, "tokens": LOW_MEMORY_LOADING}  # the residual; the grown rows
 TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
 
 pytestmark = pytest.mark.slow
@@ -173,9 +175,10 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
-    if run["variant"] in LAUNCHER_SETTINGS:  # the residual checkpoint went through low-memory loading
-        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
+    if run["variant"] in LAUNCHER_SETTINGS:  # low-memory loading (tokens: grown rows and trained rows filled)
         assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
+    if run["variant"] == "qpissa":  # the residual checkpoint went through low-memory loading
+        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
     layout = read_json(run["dir"] / "fsdp_layout.json")
     trainable = [p for p in layout["parameters"] if p["trainable"]]
     for marker in VARIANT_TENSORS[run["variant"]]:
