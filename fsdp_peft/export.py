@@ -622,6 +622,8 @@ def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_varian
     prompts = ["The capital of France is", "reverse: abcde", "def fibonacci(n):"]
     merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if (new_tokens := read_new_tokens(adapter.origin)) is not None:  # their trained rows replace the grown ones
+        reference.resize_token_embeddings(new_tokens.rows, mean_resizing=False)
     if base_variant == "nf4":
         with torch.no_grad():
             for name, parameter in reference.named_parameters():

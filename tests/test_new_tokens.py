@@ -10,7 +10,7 @@ import torch
 from conftest import REPO
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.modeling import load_base_model, load_tokenizer, lora_config
-from fsdp_peft.new_tokens import grow_vocabulary, new_tokens_of, with_new_rows
+from fsdp_peft.new_tokens import grow_vocabulary, new_tokens_of, trained_token_indices, with_new_rows
 from fsdp_peft.recipe import parse_recipe_config
 
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -61,3 +61,27 @@ def test_grown_model_trains_exactly_the_new_rows_of_embedding_and_untied_head(tm
     assert torch.equal(embedding[:262], before) and torch.equal(embedding[262], before.mean(0))
     indices = lora_config(recipe, model).trainable_token_indices
     assert indices == {"embed_tokens": [3, 262, 263], "lm_head": [262, 263]}
+
+
+def test_a_tied_head_grows_with_the_embedding_and_uses_its_trained_rows(tmp_path, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    recipe, _ = _recipe(tmp_path, "--new_special_tokens", "<|tool_call|>")
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    grow_vocabulary(model, load_tokenizer(recipe), recipe)
+    new = new_tokens_of(model)
+    assert (new.head, new.grown) == (None, ["model.embed_tokens.weight"])
+    assert model.lm_head.weight is model.get_input_embeddings().weight and model.lm_head.weight.shape[0] == 263
+    indices = trained_token_indices(model, [])
+    assert indices == {"embed_tokens": [262]}
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=indices))
+    delta = peft_model.base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+    with torch.no_grad():
+        delta.fill_(0.5)
+        ids = torch.tensor([[5, 262]])
+        hidden = peft_model.base_model.model.model(input_ids=ids).last_hidden_state
+        logits = peft_model(input_ids=ids).logits
+    assert torch.allclose(logits[0, :, 262], hidden[0] @ delta[0], atol=1e-5)  # the head's row 262 is the trained one
