@@ -21,6 +21,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -30,7 +31,7 @@ from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_c
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
-from fsdp_peft.loss import ON_XLA
+from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer
 from fsdp_peft.new_tokens import grow_vocabulary, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
@@ -306,7 +307,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
     gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
-    counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes)
+    peft_model = meta_peft_model(model_config, recipe)
+    counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
@@ -359,6 +361,10 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens  # XLA: the model's own loss (fsdp_peft.loss)
+    unavailable = chunked_loss_unavailable(peft_model.get_base_model(), SimpleNamespace(**training))
+    if chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
+        chunk_tokens = 0
+        notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {unavailable}")
     if preference:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
         chunk_tokens = TRL_TOKEN_TILE
     plan.gpu["activations (est.)"] = activation_bytes(

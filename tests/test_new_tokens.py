@@ -85,3 +85,17 @@ def test_a_tied_head_grows_with_the_embedding_and_uses_its_trained_rows(tmp_path
         hidden = peft_model.base_model.model.model(input_ids=ids).last_hidden_state
         logits = peft_model(input_ids=ids).logits
     assert torch.allclose(logits[0, :, 262], hidden[0] @ delta[0], atol=1e-5)  # the head's row 262 is the trained one
+
+
+def test_plan_counts_the_grown_embedding_and_head_their_trained_rows_and_the_full_logits(tmp_path):
+    from fsdp_peft.plan import plan_memory
+
+    plain, grown = tmp_path / "plain.yaml", tmp_path / "grown.yaml"
+    plain.write_text(f"include: {LORA_TINY}\n")
+    grown.write_text(f'include: {LORA_TINY}\nnew_special_tokens: ["<|tool_call|>", "<|tool_result|>"]\n')
+    before, after = plan_memory(plain, 2, 80 * 2**30), plan_memory(grown, 2, 80 * 2**30)
+    rows = 2 * 2 * 128  # 2 new tokens x (embedding + untied head) x hidden
+    assert after.counts.base_parameters - before.counts.base_parameters == rows
+    assert after.counts.adapter_parameters - before.counts.adapter_parameters == rows
+    assert any("full logits is counted: the output head is a TrainableTokensWrapper" in n for n in after.notes)
+    assert after.gpu["loss logits, transient (est.)"] > before.gpu["loss logits, transient (est.)"]
