@@ -442,7 +442,8 @@ def adapters_created_off_meta():
 
     Why: peft moves new adapter weights to the base layer's device, for a skeleton the meta device, which drops
     their initial values. Creation, initialisation and dtype casts are unchanged, so they draw the same random
-    numbers and give the same values as on a loaded model; only the final moves to meta are undone.
+    numbers and give the same values as on a loaded model; only the final moves to meta are undone. Trainable
+    tokens copy their rows out of the (meta) base weight: they become empty CPU tensors, filled by the loader.
     Only entered for skeleton models (`fsdp_peft.modeling.attach_lora`); a loaded model never sees it.
     Remove when: peft keeps the adapters of meta base layers materialised.
     """
@@ -456,6 +457,7 @@ def adapters_created_off_meta():
         base_device, _ = self._get_base_layer_device_and_dtype(self.get_base_layer())
         if device is None and base_device is not None and base_device.type == "meta":
             device = torch.device("cpu")
+            _adapter_tensors_off_meta(self, adapter_name)
         return original_move(self, adapter_name, device=device)
 
     def replace(self, parent, child_name, new_module, child):
@@ -472,6 +474,20 @@ def adapters_created_off_meta():
     finally:
         BaseTunerLayer._move_adapter_to_device_of_base_layer = original_move
         LoraModel._replace_module = original_replace
+
+
+def _adapter_tensors_off_meta(layer, adapter_name: str) -> None:
+    """Adapter tensors peft copied out of meta base weights (trainable tokens: the base rows) become empty CPU
+    tensors of their shape; the low-memory loader fills them (`fsdp_peft.loading.load_sharded_weights`)."""
+    for attribute in (*layer.adapter_layer_names, *layer.other_param_names):
+        container = getattr(layer, attribute, None)
+        if not isinstance(container, torch.nn.Module) or adapter_name not in container:
+            continue
+        value = container[adapter_name]
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            empty = torch.empty_like(value, device="cpu")
+            trainable = isinstance(value, torch.nn.Parameter)
+            container[adapter_name] = torch.nn.Parameter(empty, value.requires_grad) if trainable else empty
 
 
 @contextlib.contextmanager
@@ -518,18 +534,19 @@ def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
 
 
 def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
-    """Replaces ``forward_adapters`` of every trainable-token layer of ``model`` on an embedding (on the instance)
-    by one that calls the frozen embedding and puts the trained rows over its output; returns how many.
+    """Replaces ``forward_adapters`` of every trainable-token layer of ``model`` (on the instance) by one that
+    calls the frozen embedding (or untied output head) and puts the trained rows over its output; returns how many.
 
     Why: peft's forward reads ``base_layer.weight`` directly (``index_copy`` of the trained rows into it, then
-    ``F.embedding``) and never calls the base embedding. Under FSDP1 (flat parameters) the trained rows and the
-    frozen weight cannot share a unit, and a unit whose module is not called is never gathered, so the read
-    found a freed shard. Here the base embedding is called (its unit gathers) and the rows of the trained
-    tokens are taken from the delta: the same values (rows copied, in the weight's dtype) and the same
-    gradients (each trained row gets the sum over its positions). peft's own path still serves a disabled,
-    merged or ``max_norm``/``scale_grad_by_freq``/``sparse`` embedding.
+    ``F.embedding``, or ``F.linear`` for a head) and never calls the base layer. Under FSDP1 (flat parameters)
+    the trained rows and the frozen weight cannot share a unit, and a unit whose module is not called is never
+    gathered, so the read found a freed shard. Here the base layer is called (its unit gathers) and the trained
+    tokens' rows come from the delta: the same values (rows copied, in the weight's dtype; a head's trained
+    columns of the output are ``x @ delta.T``) and the same gradients (each trained row gets the sum over its
+    positions). peft's own path still serves a disabled or merged layer, a ``max_norm``/``scale_grad_by_freq``/
+    ``sparse`` embedding and a head with a bias (peft's ``F.linear`` leaves the bias out).
     Upstream: peft 0.21 ``TrainableTokensLayer.forward_adapters`` / ``get_merged_weights``.
-    Remove when: peft's trainable tokens call the base embedding.
+    Remove when: peft's trainable tokens call the base layer.
     """
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer  # lazy: patch target, resolved when patched
 
@@ -538,19 +555,29 @@ def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
         if type(module) is TrainableTokensLayer and isinstance(module.base_layer, torch.nn.Embedding):
             module.forward_adapters = functools.partial(_trained_rows_over_the_base_output, module)
             patched += 1
+        elif type(module) is TrainableTokensLayer and isinstance(module.base_layer, torch.nn.Linear):
+            module.forward_adapters = functools.partial(_trained_columns_over_the_head_output, module)
+            patched += 1
     return patched
 
 
-def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
+def _peft_path_serves(layer, active_adapters) -> bool:
     base = layer.base_layer
-    if (
+    if isinstance(base, torch.nn.Linear):
+        return layer.disable_adapters or not active_adapters or layer.merged or base.bias is not None
+    return (
         layer.disable_adapters
         or not active_adapters
         or layer.merged
         or base.max_norm is not None
         or base.scale_grad_by_freq
         or base.sparse
-    ):
+    )
+
+
+def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
+    base = layer.base_layer
+    if _peft_path_serves(layer, active_adapters):
         return type(layer).forward_adapters(layer, x, active_adapters, *args, **kwargs)
     layer._check_overlapping_tokens(active_adapters)
     result = base(x)  # called: FSDP1 gathers the frozen embedding's unit
@@ -568,6 +595,18 @@ def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, 
         if embed_scale is not None:
             rows = rows * embed_scale.to(rows.dtype)
         result = torch.where((slot >= 0).unsqueeze(-1), rows, result)
+    return result
+
+
+def _trained_columns_over_the_head_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
+    if _peft_path_serves(layer, active_adapters):
+        return type(layer).forward_adapters(layer, x, active_adapters, *args, **kwargs)
+    layer._check_overlapping_tokens(active_adapters)
+    result = layer.base_layer(x)  # called: FSDP1 gathers the frozen head's unit
+    for adapter in active_adapters:
+        indices = torch.tensor(layer.token_indices[adapter], device=x.device)
+        columns = torch.nn.functional.linear(x, layer.trainable_tokens_delta[adapter].to(result.dtype))
+        result = result.index_copy(-1, indices, columns)
     return result
 
 

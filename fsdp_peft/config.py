@@ -83,6 +83,9 @@ class RecipeArguments:
     trainable_token_indices: list[int] = field(
         default_factory=list, metadata={"help": "token ids whose embedding rows are trained (new special tokens)"}
     )
+    new_special_tokens: list[str] = field(
+        default_factory=list, metadata={"help": "tokens added to the tokenizer, their rows trained (docs/variants.md)"}
+    )
     dataset: str = field(
         default=TINY_DATASET_NAME,
         metadata={"help": f"'{TINY_DATASET_NAME}' (embedded), a local data file or directory, or a hub dataset id"},
@@ -168,7 +171,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
-LIST_KEYS = ("lora_target_modules", "lora_modules_to_save")
+LIST_KEYS = ("lora_target_modules", "lora_modules_to_save", "new_special_tokens")
 
 
 def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:

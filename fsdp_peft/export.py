@@ -44,6 +44,7 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
 from fsdp_peft.merge import Scratch, WeightUpdate, adapter_updates, init_reads_base_weights
+from fsdp_peft.new_tokens import grown_layout, read_new_tokens, write_grown_model_files
 from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -113,7 +114,7 @@ class Adapter:
     def updates_by_base_key(self) -> dict[str, WeightUpdate]:
         """``{base tensor key: WeightUpdate}`` (LoRA, DoRA, rsLoRA, patterns, modules_to_save, trainable tokens)."""
         tensors = {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in self.tensors.items()}
-        return adapter_updates(tensors, self.config, self.origin)
+        return adapter_updates(tensors, self.config, self.origin, read_new_tokens(self.origin))
 
 
 def _read_json(path: Path) -> dict:
@@ -211,16 +212,20 @@ def check_adapter_fits_base(updates: dict, files: dict[str, Path], adapter: Adap
                 "(different architecture, or the wrong --base)"
             )
         shape = tuple(headers[files[key]][key]["shape"])
+        if update.grown is not None:  # new tokens: compared with the grown tensor
+            shape = (update.grown.rows, *shape[1:])
         if update.replacement is not None:
             given, what = tuple(update.replacement.shape), "trained copy"
         elif update.lora_a is not None:
             given, what = update.delta_shape(), "B @ A"
             if update.lora_a.shape[0] != update.lora_b.shape[1]:
                 given = ()
-        else:
+        elif update.token_rows is not None:
             given, what = (shape[0], update.token_rows.shape[1]), "trained token rows' width"
             if max(update.token_indices) >= shape[0]:
                 given = ()
+        else:
+            continue  # only grown by new tokens
         if shape != given:
             raise ConfigError(
                 f"adapter {adapter.origin}: '{key}' is {list(shape)} in base {base} but the adapter's "
@@ -533,7 +538,8 @@ def export_merged(
 
     remove_stale_staging(out)
     with publish_directory(out, replace=overwrite) as staging, writer_lock(staging):
-        writer = StreamingShardWriter(staging, output_layout(files, out_dtype), max_bytes)
+        layout = grown_layout(output_layout(files, out_dtype), read_new_tokens(adapter.origin))
+        writer = StreamingShardWriter(staging, layout, max_bytes)
         # Writes overlap with the next tensor's read and merge, which runs on one torch thread: it is memory-bound,
         # and a second would spin for work (measured: user CPU 8.9 s with 2 threads, 5.1 s with 1, wall no slower).
         with behind(writer.write) as write, torch_threads(1):
@@ -541,6 +547,7 @@ def export_merged(
                 write(key, tensor)
         writer.finish()
         write_model_files(base_dir, staging, out_dtype)
+        write_grown_model_files(read_new_tokens(adapter.origin), adapter.origin, staging)  # new tokens
         (staging / "README.md").write_text(model_card(adapter, base_dir, dtype, base_variant))
         if adapter.recipe:  # how prompts were rendered in training, for `fsdp-peft generate`
             (staging / RECIPE_FILE).write_text(json.dumps(adapter.recipe, indent=1, sort_keys=True))
@@ -615,6 +622,8 @@ def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_varian
     prompts = ["The capital of France is", "reverse: abcde", "def fibonacci(n):"]
     merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if (new_tokens := read_new_tokens(adapter.origin)) is not None:  # their trained rows replace the grown ones
+        reference.resize_token_embeddings(new_tokens.rows, mean_resizing=False)
     if base_variant == "nf4":
         with torch.no_grad():
             for name, parameter in reference.named_parameters():

@@ -30,6 +30,7 @@ from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, f
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
+from fsdp_peft.new_tokens import grow_vocabulary, tokenizer_directory
 from fsdp_peft.policies import shard_for_generation
 from fsdp_peft.variants import init_reads_base_weights
 
@@ -84,8 +85,8 @@ def load_for_generation(
     recipe.model_name_or_path = str(base_dir)
     if init_reads_base_weights(recipe.init_lora_weights):  # converted for the original base: load that, unquantized
         recipe.init_lora_weights, recipe.load_in_4bit = "default", False
-    model = attach_trained_adapter(load_base_model(recipe), adapter)
-    tokenizer = _tokenizer(AutoTokenizer.from_pretrained(base_dir))
+    tokenizer = _tokenizer(AutoTokenizer.from_pretrained(tokenizer_directory(adapter.origin, base_dir)))
+    model = attach_trained_adapter(grow_vocabulary(load_base_model(recipe), tokenizer, recipe), adapter)
     chat = recipe.use_chat_template if adapter.recipe else None
     return LoadedModel(model, tokenizer, chat, f"adapter {adapter.origin} on {base_dir}")
 

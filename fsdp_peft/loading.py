@@ -35,6 +35,7 @@ from fsdp_peft._compat import fsdp2_prepare_model_replaced
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings, ranks
 from fsdp_peft.log import logger
+from fsdp_peft.new_tokens import grown_checkpoint_tensor
 from fsdp_peft.safetensors_io import base_tensor_files, read_tensors
 
 PENDING = "_fsdp_peft_pending_checkpoint"  # set on a skeleton model: where its weights will come from
@@ -100,7 +101,9 @@ def pending_checkpoint(model: torch.nn.Module) -> str | None:
 
 def checkpoint_key(name: str) -> str:
     """A model state-dict name as stored in the base checkpoint (PEFT's wrapper components removed)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return (
+        name.removeprefix("base_model.model.").replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
+    )
 
 
 def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_to_cpu: bool) -> int:
@@ -136,6 +139,7 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
             if rank == 0:
                 _, tensor = next(stream)
                 full, quant_state = _convert(tensor, target.dtype, quantize, device)
+                full = grown_checkpoint_tensor(model, checkpoint_key(name), full)  # new tokens' rows
             if quantize is not None:
                 module.quant_state = _broadcast_quant_state(quant_state if rank == 0 else None, device)
             if full is None:
@@ -145,6 +149,7 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
             else:  # not sharded (e.g. left out of FSDP): every rank takes the whole tensor
                 dist.broadcast(full, src=0)
                 value = full
+            trained_rows_copied(modules.get(name.rpartition(".")[0].removesuffix(".base_layer")), full, rank, device)
             del full
             loaded[name] = value.to("cpu") if offload_to_cpu else value
             release_freed_host_memory()
@@ -153,6 +158,26 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
         model.tie_weights()
     delattr(base, PENDING)
     return len(loaded)
+
+
+def trained_rows_copied(layer, full: torch.Tensor, rank: int, device: torch.device) -> None:
+    """peft's trainable tokens start as their base rows, which a skeleton did not have when peft attached them
+    (`fsdp_peft._compat.adapters_created_off_meta`): copy them from rank 0's full tensor, each rank its shard."""
+    if layer is None or not hasattr(layer, "trainable_tokens_delta"):
+        return
+    for adapter, indices in layer.token_indices.items():
+        if adapter not in layer.trainable_tokens_delta:
+            continue
+        rows = full[torch.tensor(indices, device=full.device)] if rank == 0 else None
+        if rows is None:
+            rows = torch.empty((len(indices), *full.shape[1:]), dtype=full.dtype, device=device)
+        dist.broadcast(rows, src=0)  # a few rows
+        with torch.no_grad():
+            for tensor in (layer.trainable_tokens_delta[adapter], layer.trainable_tokens_original[adapter]):
+                if isinstance(tensor, DTensor):
+                    tensor.copy_(distribute_tensor(rows.to(tensor.dtype), tensor.device_mesh, tensor.placements))
+                else:
+                    tensor.copy_(rows)
 
 
 def reading_plan(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.new_tokens import NewTokens, with_new_rows
 
 FROM_BASE_WEIGHTS = ("pissa", "olora", "loftq")  # initialisations that read (and change) the base weights
 
@@ -38,6 +39,7 @@ class WeightUpdate:
     replacement: torch.Tensor | None = None
     token_indices: list[int] = field(default_factory=list)
     token_rows: torch.Tensor | None = None
+    grown: NewTokens | None = None  # new tokens grew this tensor's rows (`fsdp_peft.new_tokens`)
 
     def delta_shape(self) -> tuple[int, int]:
         rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
@@ -49,6 +51,8 @@ class WeightUpdate:
         if self.replacement is not None:
             return self.replacement.float()
         scratch = scratch or Scratch()
+        if self.grown is not None:  # the base tensor as the run grew it: new rows the mean of the old ones
+            weight = with_new_rows(weight, self.grown.ids, self.grown.rows)
         merged = scratch.take("merged", weight.shape).copy_(weight)
         if self.lora_a is not None:
             rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
@@ -93,9 +97,14 @@ def _token_indices(config: dict, module: str) -> list[int]:
     return list(indices)
 
 
-def adapter_updates(tensors: dict[str, torch.Tensor], config: dict, origin) -> dict[str, WeightUpdate]:
-    """``{base tensor key: WeightUpdate}`` from an adapter's tensors (peft names, prefix removed)."""
+def adapter_updates(
+    tensors: dict[str, torch.Tensor], config: dict, origin, new_tokens: NewTokens | None = None
+) -> dict[str, WeightUpdate]:
+    """``{base tensor key: WeightUpdate}`` from an adapter's tensors (peft names, prefix removed); ``new_tokens``:
+    the tensors the run grew."""
     updates: dict[str, WeightUpdate] = {}
+    for key in new_tokens.grown if new_tokens is not None else ():
+        updates.setdefault(key, WeightUpdate()).grown = new_tokens
     saved_modules = tuple(config.get("modules_to_save") or ())
     for key, tensor in tensors.items():
         if match := re.fullmatch(r"(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key):

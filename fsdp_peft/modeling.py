@@ -27,6 +27,7 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
+from fsdp_peft.new_tokens import add_new_tokens, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.residual import (
     INITIAL_ADAPTER_SOURCE,
@@ -58,6 +59,8 @@ def load_tokenizer(recipe: RecipeArguments):
     family = family_for(AutoConfig.from_pretrained(path, trust_remote_code=remote).model_type)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = pad_token_for(tokenizer, family)
+    if recipe.new_special_tokens:  # the model grows to match (`fsdp_peft.new_tokens.grow_vocabulary`)
+        add_new_tokens(tokenizer, list(recipe.new_special_tokens))
     if recipe.use_chat_template and not tokenizer.chat_template:
         raise ConfigError(
             f"use_chat_template: the tokenizer of {recipe.model_name_or_path} has no chat template; "
@@ -123,14 +126,17 @@ def initialisation_checkpoint(recipe: RecipeArguments, path: str, training, devi
 
 
 def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bool = False) -> LoraConfig:
-    """peft's ``LoraConfig`` for the recipe (``shapes_only``: no initialisation from the base weights)."""
+    """peft's ``LoraConfig`` for the recipe (``shapes_only``: no initialisation from the base weights); the rows of
+    new tokens (`fsdp_peft.new_tokens`) join the trainable tokens."""
+    arguments = lora_config_arguments(recipe, shapes_only)
+    arguments["trainable_token_indices"] = trained_token_indices(model, recipe.trainable_token_indices)
     return LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
         target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
         task_type="CAUSAL_LM",
-        **lora_config_arguments(recipe, shapes_only),
+        **arguments,
     )
 
 
@@ -151,8 +157,8 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
     if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
         dora_lora_weight_without_graph(peft_model)
-    if recipe.trainable_token_indices:  # the same values, with the frozen embedding called (FSDP1 gathers it)
-        trainable_tokens_through_the_base_layer(peft_model)
+    # trainable tokens (and new tokens' rows): the same values, the frozen embedding / head called (FSDP1 gathers it)
+    trainable_tokens_through_the_base_layer(peft_model)
     if initial_adapter is not None:
         base = resolve_model_path(recipe.model_name_or_path)
         start_from_initial_adapter(peft_model, initial_adapter, recipe.init_lora_weights, base)

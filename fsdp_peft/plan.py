@@ -21,6 +21,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -30,7 +31,9 @@ from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_c
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
-from fsdp_peft.loss import ON_XLA
+from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
+from fsdp_peft.modeling import load_tokenizer
+from fsdp_peft.new_tokens import grow_vocabulary, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import mixed_precision_dtype
@@ -147,13 +150,19 @@ def meta_peft_model(model_config, recipe):
     """The model with the recipe's LoRA adapters, on the meta device: shapes without memory."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=recipe.trust_remote_code)
+        if recipe.new_special_tokens:  # the grown embedding and head (and logits), their new rows trained
+            grow_vocabulary(model, load_tokenizer(recipe), recipe)
+            model_config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
         lora = LoraConfig(
             r=recipe.lora_r,
             lora_alpha=recipe.lora_alpha,
             lora_dropout=recipe.lora_dropout,
             target_modules=lora_targets(recipe.lora_target_modules, family_for(model_config.model_type)),
             task_type="CAUSAL_LM",
-            **lora_config_arguments(recipe, shapes_only=True),
+            **{
+                **lora_config_arguments(recipe, shapes_only=True),
+                "trainable_token_indices": trained_token_indices(model, recipe.trainable_token_indices),
+            },
         )
         return get_peft_model(model, lora)
 
@@ -326,8 +335,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
     gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
+    peft_model = meta_peft_model(model_config, recipe)
     version = settings.version if settings is not None else 2
-    counts = count_model(meta_peft_model(model_config, recipe), recipe, shard_over, mixed, gather_bytes, version)
+    counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
@@ -380,6 +390,10 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens  # XLA: the model's own loss (fsdp_peft.loss)
+    unavailable = chunked_loss_unavailable(peft_model.get_base_model(), SimpleNamespace(**training))
+    if chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
+        chunk_tokens = 0
+        notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {unavailable}")
     if preference:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
         chunk_tokens = TRL_TOKEN_TILE
     plan.gpu["activations (est.)"] = activation_bytes(

@@ -29,6 +29,7 @@ from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, 
 from fsdp_peft.launch import ranks, release_process_group, trainer_fsdp_arguments
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
@@ -88,7 +89,7 @@ def start_training(recipe: RecipeArguments, training: TrainingArguments):
         )
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     tokenizer = load_tokenizer(recipe)
-    model = attach_lora(load_base_model(recipe, training), recipe, training)
+    model = attach_lora(grow_vocabulary(load_base_model(recipe, training), tokenizer, recipe), recipe, training)
     return run, checkpoint, tokenizer, model
 
 

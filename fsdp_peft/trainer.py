@@ -33,6 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes_loss
 from fsdp_peft.memory import MemoryReport
+from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
 from fsdp_peft.policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
@@ -287,7 +288,8 @@ def write_adapter_metadata(peft_model, recipe_config: dict, directory: Path) -> 
     sharded): what export and generate need to rebuild, and check, the model it was trained as."""
     peft_model.peft_config[peft_model.active_adapter].save_pretrained(directory)
     (directory / RECIPE_FILE).write_text(json.dumps(recipe_config, indent=1, sort_keys=True, default=str))
-    write_base_record(peft_model.get_base_model().config, directory)
+    write_base_record(config_before_growth(peft_model), directory)
+    write_new_tokens(peft_model, directory)  # new tokens: the grown tokenizer and what grew
 
 
 def gather_trainable_state_dict(

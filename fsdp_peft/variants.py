@@ -9,6 +9,7 @@ part of `fsdp_peft.validation.RULES`). What each variant costs and where it runs
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 
@@ -236,12 +237,63 @@ def _fsdp1_keeps_tied_embeddings_in_the_root(recipe, training) -> str | None:
     )
 
 
+def _new_special_tokens_are_new(recipe, training) -> str | None:
+    tokens = list(recipe.new_special_tokens)
+    if not tokens:
+        return None
+    bad = [token for token in tokens if not isinstance(token, str) or not token.strip()]
+    if bad:
+        return f"new_special_tokens: every token must be a non-empty string, got {bad[0]!r}; e.g. ['<|tool_call|>']"
+    repeated = sorted({token for token in tokens if tokens.count(token) > 1})
+    if repeated:
+        return f"new_special_tokens: {repeated[0]!r} is listed twice; list each new token once"
+    try:
+        from transformers import AutoTokenizer  # lazy: only new tokens need the tokenizer checked
+
+        vocabulary = AutoTokenizer.from_pretrained(
+            resolve_model_path(recipe.model_name_or_path),
+            local_files_only=True,
+            trust_remote_code=recipe.trust_remote_code,
+        ).get_vocab()
+    except (OSError, ValueError):
+        return None  # not on this machine yet: adding the tokens checks it again
+    present = [token for token in tokens if token in vocabulary]
+    if present:
+        return (
+            f"new_special_tokens: {present[0]!r} is already in the tokenizer's vocabulary; drop it from "
+            "new_special_tokens (train its existing row with trainable_token_indices)"
+        )
+    return None
+
+
+def _new_tokens_train_as_trainable_tokens(recipe, training) -> str | None:
+    """New tokens' rows are trainable tokens (embedding, and an untied head): the trainable tokens' rules apply."""
+    if not recipe.new_special_tokens:
+        return None
+    if "lm_head" in recipe.lora_modules_to_save:
+        return (
+            "new_special_tokens: the new rows of the output head are trained as trainable tokens, which peft cannot "
+            "put inside a trained copy of lm_head (lora_modules_to_save); drop lm_head from lora_modules_to_save"
+        )
+    probe = dataclasses.replace(recipe, trainable_token_indices=[*recipe.trainable_token_indices, 0])
+    rules = (
+        _trainable_tokens_and_their_embedding_copy_exclude_each_other,
+        _fsdp1_keeps_tied_embeddings_in_the_root,
+    )
+    for rule in rules:
+        if problem := rule(probe, training):
+            return f"new_special_tokens: its rows are trained as trainable tokens: {problem}"
+    return None
+
+
 VARIANT_RULES = [
     _variant_keys_are_known,
     _eva_needs_the_whole_data_on_one_rank,
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,
     _fsdp1_keeps_tied_embeddings_in_the_root,
+    _new_special_tokens_are_new,
+    _new_tokens_train_as_trainable_tokens,
 ]
 
 

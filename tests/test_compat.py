@@ -136,3 +136,45 @@ def test_trainable_tokens_through_the_base_layer_give_peft_values_and_gradients(
     assert output.dtype == expected.dtype == dtype and torch.equal(output, expected)
     assert grad.dtype == torch.float32 and torch.equal(grad, expected_grad)
     assert torch.equal(grad[1], torch.zeros_like(grad[1])) and grad[0].abs().sum() > 0  # row 5 is the padding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trainable_tokens_of_an_untied_head_call_the_frozen_head_and_give_peft_values(dtype, tiny_model_dir):
+    """An untied output head's trained rows (new tokens' rows): the patched forward calls the frozen head (FSDP1
+    gathers it) and its trained columns are ``x @ delta.T``: peft's output and gradient of the trained rows."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    assert not base.config.tie_word_embeddings
+    indices = {"embed_tokens": [3, 7], "lm_head": [3, 7, 9]}
+    config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=indices, task_type="CAUSAL_LM")
+    model = get_peft_model(base, config, autocast_adapter_dtype=True)
+    head = model.get_output_embeddings()
+    (layer,) = [m for m in head.modules() if isinstance(m, TrainableTokensLayer)]
+    assert isinstance(layer.base_layer, torch.nn.Linear)
+    delta = layer.trainable_tokens_delta["default"]
+    delta.data = delta.data.float() + torch.randn_like(delta.data.float())
+    x = torch.randn(2, 5, base.config.hidden_size, dtype=dtype)
+    weights = torch.randn(2, 5, base.config.vocab_size)
+
+    def output_and_gradient():
+        delta.grad = None
+        output = layer(x)
+        (output.float() * weights).sum().backward()
+        return output.detach(), delta.grad.clone()
+
+    calls = []
+    layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
+    expected, expected_grad = output_and_gradient()
+    assert calls == []  # peft's own forward never calls the frozen head
+    assert _compat.trainable_tokens_through_the_base_layer(model) == 2  # the embedding's rows and the head's
+    output, grad = output_and_gradient()
+    assert calls == [layer.base_layer] and output.dtype == expected.dtype == dtype
+    untrained = [i for i in range(base.config.vocab_size) if i not in indices["lm_head"]]
+    assert torch.equal(output[..., untrained], expected[..., untrained])
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the trained columns: their own (smaller) matmul
+    torch.testing.assert_close(output, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)

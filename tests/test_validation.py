@@ -217,6 +217,18 @@ CASES = {
         ["--trainable_token_indices", "3", "--model_name_or_path", "{tied_model}"],
         "trainable_token_indices under FSDP1 with tied embeddings ({tied_model} ties the input embedding and the",
     ),
+    "_new_special_tokens_are_new": (
+        LORA_TINY,
+        {},
+        ["--new_special_tokens", "<|tool_call|>", "<|user|>"],
+        "new_special_tokens: '<|user|>' is already in the tokenizer's vocabulary; drop it from new_special_tokens",
+    ),
+    "_new_tokens_train_as_trainable_tokens": (
+        LORA_TINY,
+        {},
+        ["--new_special_tokens", "<|tool_call|>", "--lora_modules_to_save", "lm_head"],
+        "new_special_tokens: the new rows of the output head are trained as trainable tokens, which peft cannot",
+    ),
 }
 
 

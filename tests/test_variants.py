@@ -1,11 +1,12 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
 Variants are combined so that nine 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + OLoRA init (FSDP2 and FSDP1), LoRA on the embedding +
-PiSSA init (FSDP2 and FSDP1), QDoRA with a trained head copy and trainable tokens (FSDP2 and FSDP1), and PiSSA
-on the 4-bit base (its residual read by low-memory loading). Each run is compared with one process with the same
-global batch and seed; its saved adapter is reloaded by plain peft, its export compared with peft's
-``merge_and_unload()`` and its measured per-rank bytes with the planner's.
+``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + new tokens + OLoRA init (FSDP2 with low-memory loading, a
+checkpoint resumed on one rank; and FSDP1), LoRA on the embedding + PiSSA init (FSDP2 and FSDP1), QDoRA with a
+trained head copy and trainable tokens (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by
+low-memory loading). Each run is compared with one process with the same global batch and seed; its saved
+adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its measured
+per-rank bytes with the planner's.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, launch_recipe, read_json, run_command, tiny_llama_in_4bit
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
 from fsdp_peft.export import export_merged
+from fsdp_peft.new_tokens import read_new_tokens, tokenizer_directory
 from fsdp_peft.plan import plan_memory
 from fsdp_peft.recipe import parse_recipe_config
 
 STEPS = 5
+NEW_TOKENS = ["<|tool_call|>", "<|tool_result|>"]  # new tokens in every completion of the "tokens" variant's data
 PER_RANK_BATCH = 16
 VARIANTS = {
     "dora": (
@@ -40,7 +43,16 @@ VARIANTS = {
             "lora_modules_to_save": ["lm_head"],
         },
     ),
-    "tokens": ("llama_lora", {"trainable_token_indices": [3, 5, 7], "init_lora_weights": "olora"}),
+    "tokens": (
+        "llama_lora",
+        {
+            "trainable_token_indices": [3, 5, 7],
+            "init_lora_weights": "olora",
+            "new_special_tokens": NEW_TOKENS,
+            "save_strategy": "steps",  # checkpoint-3, resumed on one rank
+            "save_steps": 3,
+        },
+    ),
     "embedding": (
         "llama_lora",
         {"lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "init_lora_weights": "pissa_niter_4"},
@@ -54,12 +66,13 @@ VARIANTS = {
 # what each variant adds to the trainable tensors, as named in the FSDP layout report
 VARIANT_TENSORS = {
     "dora": ("lora_magnitude_vector", "lm_head.modules_to_save"),
-    "tokens": ("trainable_tokens_delta",),
+    "tokens": ("embed_tokens.token_adapter.trainable_tokens_delta", "lm_head.token_adapter.trainable_tokens_delta"),
     "embedding": ("lora_embedding_A", "lora_embedding_B"),
     "qdora": ("lora_magnitude_vector", "lm_head.modules_to_save", "trainable_tokens_delta"),
     "qpissa": ("lora_A", "lora_B"),
 }
-LAUNCHER_SETTINGS = {"qpissa": {"fsdp_cpu_ram_efficient_loading": "true"}}  # rank 0 reads the residual, scatters
+LOW_MEMORY_LOADING = {"fsdp_cpu_ram_efficient_loading": "true"}  # rank 0 reads, every rank receives its shards
+LAUNCHER_SETTINGS = {"qpissa": LOW_MEMORY_LOADING, "tokens": LOW_MEMORY_LOADING}  # the residual; the grown rows
 TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # fp32 LoRA; bf16-storage QLoRA
 
 pytestmark = pytest.mark.slow
@@ -79,9 +92,23 @@ def variant_config(directory, variant: str, per_device_batch: int):
         "per_device_train_batch_size": per_device_batch,
         "output_dir": str(directory / "out"),
     }
+    if "new_special_tokens" in keys:
+        values["dataset"] = str(tool_call_data(directory / "data"))
     path = directory / "config.yaml"
     path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
     return path
+
+
+def tool_call_data(directory):
+    """The embedded reversal data, every completion wrapped in the new tokens: ``<|tool_call|>olleh<|tool_result|>``."""
+    directory.mkdir()
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (REPO / "fsdp_peft" / "assets" / "tiny_reverse" / f"{split}.jsonl").open()]
+        with (directory / f"{split}.jsonl").open("w") as handle:
+            for row in rows:
+                row["completion"] = f"{NEW_TOKENS[0]}{row['completion']}{NEW_TOKENS[1]}"
+                handle.write(json.dumps(row) + "\n")
+    return directory
 
 
 FSDP2_RUNS = [("dora", 2), ("tokens", 2), ("embedding", 2), ("qdora", 2), ("qpissa", 2)]
@@ -96,7 +123,7 @@ def two_rank_run(variant: str, version: int, tmp_path_factory, model_dir) -> dic
         directory = tmp_path_factory.mktemp(f"{variant}_fsdp{version}")
         config = variant_config(directory, variant, PER_RANK_BATCH)
         accelerate_config = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
-        if variant in LAUNCHER_SETTINGS:
+        if variant in LAUNCHER_SETTINGS and version == 2:  # FSDP1 refuses low-memory loading on CPU
             text = accelerate_config.read_text()
             for key, value in LAUNCHER_SETTINGS[variant].items():
                 text = re.sub(rf"(?m)^(\s*{key}:).*$", rf"\g<1> {value}", text)
@@ -152,9 +179,10 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
-    if run["variant"] in LAUNCHER_SETTINGS:  # the residual checkpoint went through low-memory loading
-        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
+    if run["variant"] in LAUNCHER_SETTINGS and run["version"] == 2:  # low-memory loading (tokens: grown rows too)
         assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
+    if run["variant"] == "qpissa":  # the residual checkpoint went through low-memory loading
+        assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
     layout = read_json(run["dir"] / "fsdp_layout.json")
     trainable = [p for p in layout["parameters"] if p["trainable"]]
     for marker in VARIANT_TENSORS[run["variant"]]:
@@ -164,25 +192,28 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
             assert all(p["name"].endswith("._flat_param") and p["dtype"] == "float32" for p in holders)
             assert {p["name"].removesuffix("._flat_param") for p in holders} <= set(layout["units"])
             assert all(".lora_" in n or marker in n for p in holders for n in p["holds"])
-    if run["version"] == 1 and {"trainable_tokens_delta", "lora_embedding_A"} & set(VARIANT_TENSORS[run["variant"]]):
-        # the frozen embedding the adapter calls: a unit of its own, sharded, in the model's dtype
-        (base,) = [
-            p for p in layout["parameters"] if re.search(r"embed_tokens\.(token_adapter\.)?base_layer\.", p["name"])
-        ]
-        assert base["holds"] == [base["name"].replace("_flat_param", "weight")] and not base["trainable"]
-        assert base["local_shape"][0] == base["shape"][0] // 2
-        assert base["dtype"] == ("bfloat16" if run["recipe"] == "llama_qlora" else "float32")
+    markers = VARIANT_TENSORS[run["variant"]]
+    if run["version"] == 1 and any("trainable_tokens_delta" in m or "lora_embedding_A" in m for m in markers):
+        # the frozen embedding (and head, for new tokens' rows) the adapter calls: a unit of its own, sharded
+        bases = [p for p in layout["parameters"] if re.search(r"\.(token_adapter\.)?base_layer\._flat", p["name"])]
+        wrapped = {"embed_tokens"} | ({"lm_head"} if any(m.startswith("lm_head.token") for m in markers) else set())
+        assert {re.search(r"(embed_tokens|lm_head)\.", p["name"])[1] for p in bases} == wrapped
+        for base in bases:
+            assert base["holds"] == [base["name"].replace("_flat_param", "weight")] and not base["trainable"]
+            assert base["local_shape"][0] == base["shape"][0] // 2
+            assert base["dtype"] == ("bfloat16" if run["recipe"] == "llama_qlora" else "float32")
     for parameter in trainable:  # every trainable tensor is split over both ranks
         full, local = math.prod(parameter["shape"]), math.prod(parameter["local_shape"])
         assert math.ceil(full / 2) <= local < full, parameter["name"]
         assert parameter["dtype"] == "float32", parameter["name"]  # fp32 master weights, QLoRA included
 
 
-def _eval_loss(model, model_dir, autocast: bool) -> float:
+def _eval_loss(model, run, autocast: bool) -> float:
+    """The run's eval loss recomputed: its data, and its tokenizer (the grown one saved next to the adapter)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    recipe = RecipeArguments(max_seq_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_directory(run["dir"] / "adapter", run["model"]))
+    recipe = RecipeArguments(max_seq_length=64, **_run_values(run, "dataset"))
     _, eval_path = data_files(recipe)
     rows = tokenized_dataset(read_examples(eval_path), tokenizer, recipe, eval_path)
     total, count = 0.0, 0
@@ -201,10 +232,22 @@ def _eval_loss(model, model_dir, autocast: bool) -> float:
     return total / count
 
 
-def _fp32_base(model_dir):
-    from transformers import AutoModelForCausalLM
+def _run_values(run, *keys) -> dict:
+    values = {
+        line.split(": ", 1)[0]: json.loads(line.split(": ", 1)[1]) for line in run["config"].read_text().splitlines()
+    }
+    return {key: values[key] for key in keys if key in values}
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+def _fp32_base(model_dir, adapter=None):
+    """The base in fp32; for an adapter with new tokens, resized to its tokenizer as a peft user would (plain
+    ``resize_token_embeddings``: the new rows are random, and the trained token rows replace them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None and read_new_tokens(adapter) is not None:
+        model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)))
+    return model
 
 
 def _trained_adapter_on_the_residual(run, directory):
@@ -236,12 +279,12 @@ def test_saved_adapter_loads_with_plain_peft_and_reproduces_the_eval_loss(run, t
         assert residual != str(run["model"])
         base = tiny_llama_in_4bit(residual)
     else:
-        base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"])
+        base = tiny_llama_in_4bit(run["model"]) if qlora else _fp32_base(run["model"], adapter)
     for module in base.modules():  # the reference must not take bitsandbytes' CPU repacking path either
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     model = PeftModel.from_pretrained(base, adapter).eval()
-    reloaded = _eval_loss(model, run["model"], autocast=qlora)
+    reloaded = _eval_loss(model, run, autocast=qlora)
     trained = read_json(run["dir"] / "results.json")["eval_loss"]
     print(f"{run['variant']} FSDP{run['version']}: eval loss {trained:.6f}, reloaded with plain peft {reloaded:.6f}")
     assert abs(trained - reloaded) <= 1e-4, (trained, reloaded)
@@ -262,7 +305,8 @@ def test_export_equals_peft_merge_and_unload_in_fp32(exported_run, tmp_path):
     exported = {}
     for path in sorted(out.glob("*.safetensors")):
         exported.update(load_file(path))
-    merged = PeftModel.from_pretrained(_fp32_base(run["model"]), run["dir"] / "adapter").merge_and_unload()
+    merged = PeftModel.from_pretrained(_fp32_base(run["model"], run["dir"] / "adapter"), run["dir"] / "adapter")
+    merged = merged.merge_and_unload()
     expected, base = merged.state_dict(), _fp32_base(run["model"]).state_dict()
     assert set(exported) == set(expected)
     distances = {key: _ulps(exported[key], expected[key]) for key in exported}
@@ -289,3 +333,69 @@ def test_planned_bytes_per_rank_equal_the_measured_ones(run):
     measured = {key: rank0[key] for key in planned}
     print(f"{run['variant']} FSDP{run['version']}: planned {planned}, measured {measured}")
     assert measured == planned
+
+
+def test_new_tokens_export_and_generate_use_the_grown_vocabulary(tmp_path, tmp_path_factory, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_peft.inference import load_for_generation
+
+    run = two_rank_run("tokens", 2, tmp_path_factory, tiny_model_dir)
+    adapter, out = run["dir"] / "adapter", tmp_path / "merged"
+    script = (
+        "import sys; from fsdp_peft.export import export_merged; "
+        f"export_merged({str(adapter)!r}, {str(out)!r}, dtype='fp32', progress=False); "
+        "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))"
+    )
+    exported = run_command([sys.executable, "-c", script])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert exported.stdout.strip().splitlines()[-1] == "[]"  # the streaming export stays torch-only
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = f"reverse: hello{NEW_TOKENS[0]}olleh{NEW_TOKENS[1]}"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    new_ids = tokenizer.convert_tokens_to_ids(NEW_TOKENS)
+    base_vocab = read_json(tiny_model_dir / "config.json")["vocab_size"]
+    assert new_ids == [base_vocab, base_vocab + 1] and set(new_ids) <= set(ids[0].tolist())
+    assert tokenizer.decode(ids[0], skip_special_tokens=True) == text  # the new tokens decode as themselves
+    assert read_json(out / "config.json")["vocab_size"] == base_vocab + 2
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    trained = PeftModel.from_pretrained(_fp32_base(tiny_model_dir, adapter), adapter).eval()
+    loaded = load_for_generation(adapter, None, torch.device("cpu"))  # what `fsdp-peft generate` runs
+    assert loaded.tokenizer.convert_tokens_to_ids(NEW_TOKENS) == new_ids
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        worst = {
+            "export": (merged(input_ids=ids).logits - want).abs().max().item(),
+            "generate": (loaded.model(input_ids=ids).logits - want).abs().max().item(),
+        }
+    print(f"new tokens: largest logit difference to the trained model (fp32): {worst}")
+    assert want.shape[-1] == base_vocab + 2 and max(worst.values()) <= 1e-5, worst
+
+
+def test_new_tokens_checkpoint_resumes_on_one_rank_with_the_uninterrupted_losses(
+    tmp_path, tmp_path_factory, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    run = two_rank_run("tokens", 2, tmp_path_factory, tiny_model_dir)
+    checkpoint = run["dir"] / "checkpoint-3"
+    assert read_new_tokens(checkpoint).rows == read_json(tiny_model_dir / "config.json")["vocab_size"] + 2
+    assert (
+        AutoTokenizer.from_pretrained(checkpoint).convert_tokens_to_ids(NEW_TOKENS) == read_new_tokens(checkpoint).ids
+    )
+    config = variant_config(tmp_path, "tokens", 2 * PER_RANK_BATCH)  # the same global batch on one rank
+    accelerate_config = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"  # its sharded state, resharded
+    launch_recipe(
+        "llama_lora",
+        "--config",
+        str(config),
+        "--resume_from_checkpoint",
+        str(checkpoint),
+        processes=1,
+        accelerate_config=accelerate_config,
+    )
+    resumed, uninterrupted = logged_losses(tmp_path / "out"), logged_losses(run["dir"])
+    worst = max(abs(resumed[step] - uninterrupted[step]) / uninterrupted[step] for step in (4, 5))
+    print(f"new tokens: 2-rank checkpoint-3 resumed on one rank, steps 4-5 vs uninterrupted: {worst:.2e} relative")
+    assert worst <= 1e-5, (resumed, uninterrupted)
