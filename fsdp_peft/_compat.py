@@ -561,23 +561,18 @@ def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
     return patched
 
 
-def _peft_path_serves(layer, active_adapters) -> bool:
-    base = layer.base_layer
-    if isinstance(base, torch.nn.Linear):
-        return layer.disable_adapters or not active_adapters or layer.merged or base.bias is not None
-    return (
-        layer.disable_adapters
-        or not active_adapters
-        or layer.merged
-        or base.max_norm is not None
-        or base.scale_grad_by_freq
-        or base.sparse
-    )
+def _peft_path_serves(layer, active_adapters, head: bool) -> bool:
+    base = layer.base_layer  # under FSDP1 the unit around the embedding or head: attributes are the module's
+    if layer.disable_adapters or not active_adapters or layer.merged:
+        return True
+    if head:
+        return base.bias is not None
+    return base.max_norm is not None or base.scale_grad_by_freq or base.sparse
 
 
 def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
     base = layer.base_layer
-    if _peft_path_serves(layer, active_adapters):
+    if _peft_path_serves(layer, active_adapters, head=False):
         return type(layer).forward_adapters(layer, x, active_adapters, *args, **kwargs)
     layer._check_overlapping_tokens(active_adapters)
     result = base(x)  # called: FSDP1 gathers the frozen embedding's unit
@@ -599,7 +594,7 @@ def _trained_rows_over_the_base_output(layer, x: torch.Tensor, active_adapters, 
 
 
 def _trained_columns_over_the_head_output(layer, x: torch.Tensor, active_adapters, *args, **kwargs) -> torch.Tensor:
-    if _peft_path_serves(layer, active_adapters):
+    if _peft_path_serves(layer, active_adapters, head=True):
         return type(layer).forward_adapters(layer, x, active_adapters, *args, **kwargs)
     layer._check_overlapping_tokens(active_adapters)
     result = layer.base_layer(x)  # called: FSDP1 gathers the frozen head's unit
