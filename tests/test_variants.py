@@ -26,6 +26,7 @@ from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_da
 from fsdp_peft.export import export_merged
 from fsdp_peft.plan import plan_memory
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.runs import EVA_INIT_FILE
 
 STEPS = 5
 PER_RANK_BATCH = 16
@@ -38,6 +39,7 @@ VARIANTS = {
             "lora_rank_pattern": {"o_proj": 8},
             "lora_alpha_pattern": {"down_proj": 16},
             "lora_modules_to_save": ["lm_head"],
+            "init_lora_weights": "eva",  # its SVD pass on each rank's shard of the data, before wrapping
         },
     ),
     "tokens": ("llama_lora", {"trainable_token_indices": [3, 5, 7], "init_lora_weights": "olora"}),
@@ -148,6 +150,18 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
+    if VARIANTS[run["variant"]][1].get("init_lora_weights") == "eva":  # both ranks' SVD = one process's
+        assert (
+            "[fsdp-peft] eva: lora_A of 28 layers from the SVD of their inputs over 16 global batches of 32"
+            in (run["stdout"])
+        )
+        sharded, single = load_file(run["dir"] / EVA_INIT_FILE), load_file(reference_dir / EVA_INIT_FILE)
+        assert set(sharded) == set(single) and len(sharded) == 28
+        gap = max(((sharded[k] - single[k]).norm() / single[k].norm()).item() for k in single)
+        print(
+            f"eva FSDP{run['version']}: initial lora_A, 2 ranks vs one process: largest relative difference {gap:.2e}"
+        )
+        assert gap <= 1e-5
     if run["variant"] in LAUNCHER_SETTINGS:  # the residual checkpoint went through low-memory loading
         assert "[fsdp-peft] pissa_niter_4: initial adapter in " in run["stdout"]
         assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
