@@ -65,8 +65,8 @@ class _Forwards:
         self.count += 1
         if self.count > self.limit:
             raise ConfigError(
-                f"eva_tau: the EVA components did not settle within {self.limit} forward passes; "
-                "lower eva_tau (e.g. 0.9) or raise eva_batches"
+                f"eva_batches, eva_tau: the EVA components did not settle within {self.limit} forward passes; "
+                "raise eva_batches (more distinct batches settle sooner) or lower eva_tau"
             )
         with self.autocast():
             return model(**{key: value for key, value in inputs.items() if key != "labels"})
@@ -88,11 +88,11 @@ def initialise_eva(trainer, recipe, resumed: bool) -> None:
     with torch.random.fork_rng(devices=gpus), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is initialized")  # the gather is the point
         state = get_eva_state_dict(model, batches, forward_fn=forwards, show_progress_bar=False)
-    state = {name: rows.contiguous() for name, rows in state.items()}
-    if dist.is_initialized():  # every rank computed the same SVD; start from rank 0's bits all the same
-        for name in sorted(state):
-            dist.broadcast(state[name], src=0)
-    initialize_lora_eva_weights(model, eva_state_dict=dict(state), show_progress_bar=False)
+        state = {name: rows.contiguous() for name, rows in state.items()}
+        if dist.is_initialized():  # every rank computed the same SVD; start from rank 0's bits all the same
+            for name in sorted(state):
+                dist.broadcast(state[name], src=0)
+        initialize_lora_eva_weights(model, eva_state_dict=dict(state), show_progress_bar=False)
     adapter = model.active_adapter
     initial = {name: model.get_submodule(name).lora_A[adapter].weight.detach().cpu().clone() for name in state}
     rows = trainer.args.per_device_train_batch_size * ranks().world_size

@@ -181,6 +181,16 @@ def _eva_keeps_the_configured_ranks(recipe, training) -> str | None:
     return None
 
 
+def _eva_initialises_linear_layers_only(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva" and targets_embedding(recipe):
+        return (
+            "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only and "
+            "re-creates the embedding's adapter with its default init; remove the embedding from "
+            "lora_target_modules, or use another init_lora_weights"
+        )
+    return None
+
+
 def _eva_forwards_the_loaded_model_before_sharding(recipe, training) -> str | None:
     if recipe.init_lora_weights == "eva" and low_memory_loading_requested(training):
         return (
@@ -245,6 +255,7 @@ def _fsdp1_gathers_only_called_modules(recipe, training) -> str | None:
 VARIANT_RULES = [
     _variant_keys_are_known,
     _eva_keeps_the_configured_ranks,
+    _eva_initialises_linear_layers_only,
     _eva_forwards_the_loaded_model_before_sharding,
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,

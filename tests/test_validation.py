@@ -197,6 +197,12 @@ CASES = {
         ["--init_lora_weights", "eva", "--eva_rho", "2"],
         "eva_rho: 2.0 redistributes LoRA ranks between layers by the data pass, so neither fsdp-peft plan nor",
     ),
+    "_eva_initialises_linear_layers_only": (
+        LORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--init_lora_weights", "eva", "--lora_target_modules", "q_proj", "embed_tokens"],
+        "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only",
+    ),
     "_eva_forwards_the_loaded_model_before_sharding": (
         LORA_TINY,
         {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "WORLD_SIZE": "2"},
