@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import set_seed
 
+import fsdp_peft.eva
 from conftest import REPO
 from fsdp_peft.data import IGNORE_INDEX, data_collator, load_data
+from fsdp_peft.errors import ConfigError
 from fsdp_peft.eva import eva_batches, initialise_eva
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.recipe import parse_recipe_config
@@ -81,7 +83,9 @@ def one_thread():
 
 
 @pytest.mark.parametrize("recipe_name", ["llama_lora", "llama_qlora"])
-def test_eva_sets_lora_a_to_the_top_singular_vectors_of_the_layer_inputs(recipe_name, tmp_path, one_thread):
+def test_eva_sets_lora_a_to_the_top_singular_vectors_of_the_layer_inputs(
+    recipe_name, tmp_path, one_thread, monkeypatch
+):
     recipe, trainer = eva_trainer(recipe_name, tmp_path / "out")
     layers = lora_layers(trainer.model)
     default = {name: module.lora_A["default"].weight.detach().clone() for name, module in layers.items()}
@@ -113,6 +117,12 @@ def test_eva_sets_lora_a_to_the_top_singular_vectors_of_the_layer_inputs(recipe_
     )
     assert first >= 0.9999 and worst_leading >= 0.99
     assert worst_default <= 0.5
+    with pytest.raises(ConfigError, match=r"^eva_batches: 100 global batches of 32 rows need 3200 training rows, and"):
+        eva_batches(trainer, 100, trainer.args.seed)  # the tiny data's 2000 rows
+    if recipe_name == "llama_lora":  # a pass that does not settle stops, naming the keys (hooks left: last check)
+        monkeypatch.setattr(fsdp_peft.eva, "PASSES_PER_BATCH", 1)
+        with pytest.raises(ConfigError, match=r"^eva_batches, eva_tau: the EVA components did not settle within 8 "):
+            initialise_eva(trainer, recipe, resumed=False)
     if recipe_name == "llama_qlora":  # the eval-mode forwards took no CPU repacking of the 4-bit weights
         states = [getattr(getattr(m, "weight", None), "quant_state", None) for m in trainer.model.modules()]
         states = [state for state in states if state is not None]
