@@ -67,10 +67,13 @@ class RecipeArguments:
     use_rslora: bool = field(default=False, metadata={"help": "rsLoRA: scale alpha / sqrt(r), not alpha / r"})
     init_lora_weights: str = field(
         default="default",
-        metadata={"help": "default, gaussian, pissa, pissa_niter_N, olora or loftq (see docs/variants.md)"},
+        metadata={"help": "default, gaussian, pissa, pissa_niter_N, olora, loftq or eva (see docs/variants.md)"},
     )
     loftq_bits: int = field(default=4, metadata={"help": "loftq: bits of its quantization (2, 4, 8)"})
     loftq_iter: int = field(default=1, metadata={"help": "loftq: alternating steps"})
+    eva_batches: int = field(default=16, metadata={"help": "eva: global training batches its SVD cycles over"})
+    eva_tau: float = field(default=0.99, metadata={"help": "eva: stop once components move less (cosine >= tau)"})
+    eva_rho: float = field(default=1.0, metadata={"help": "eva: rank redistribution (only 1: ranks as configured)"})
     lora_rank_pattern: dict | str | None = field(
         default=None, metadata={"help": "per-module rank, {name or regex: r}, e.g. {'o_proj': 8}"}
     )

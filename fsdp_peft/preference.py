@@ -119,6 +119,11 @@ def preference_refusal(recipe, training) -> str | None:
             f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
             "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
         )
+    if recipe is not None and recipe.init_lora_weights == "eva":
+        return (
+            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do "
+            "not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
+        )
     settings = fsdp_settings(training)
     if settings is not None and settings.version == 1:
         return (

@@ -24,6 +24,7 @@ from fsdp_peft._compat import check_upstream
 from fsdp_peft.config import RecipeArguments, build_training_arguments, resolve_recipe_config, resolved_config_yaml
 from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
 from fsdp_peft.errors import exits_cleanly_on_user_error
+from fsdp_peft.eva import initialise_eva
 from fsdp_peft.export import export_merged
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.launch import ranks, release_process_group, trainer_fsdp_arguments
@@ -118,6 +119,8 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         recipe_config=dataclasses.asdict(recipe),
         run_id=run.run_id,
     )
+    if recipe.init_lora_weights == "eva":  # data-driven init: after the adapters exist, before FSDP wraps them
+        initialise_eva(trainer, recipe, resumed=checkpoint is not None)
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     output_dir = Path(training.output_dir)

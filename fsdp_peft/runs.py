@@ -38,6 +38,7 @@ from fsdp_peft.launch import ranks
 from fsdp_peft.log import logger
 
 RUN_FILE = "fsdp_peft_run.json"
+EVA_INIT_FILE = "eva_init.safetensors"  # init_lora_weights: eva's initial lora_A rows (fsdp_peft.eva)
 LOCK_FILE = ".fsdp_peft.lock"
 RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
     "adapter",
@@ -49,6 +50,7 @@ RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
     "loss_curve.png",
     "fsdp_layout.json",
     "memory.json",
+    EVA_INIT_FILE,
 )
 NOT_IDENTITY = {  # keys that do not change what a run trains: they may differ when it is resumed
     "output_dir",

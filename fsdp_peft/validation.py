@@ -439,6 +439,8 @@ def _xla_route_can_run(recipe, training) -> str | None:
             f"load_in_4bit: true on XLA ({device}): bitsandbytes has no XLA backend, so QLoRA cannot run on TPU; "
             "use a LoRA recipe (load_in_4bit: false), e.g. configs/llama_lora/tpu_v5e_8.yaml"
         )
+    if recipe.init_lora_weights == "eva":  # fsdp_peft.eva: its pass is many small SVDs between forwards
+        return f"init_lora_weights: eva on XLA ({device}): its data pass is built for CPUs and GPUs; use another init"
     on, options = _fsdp_options(training.get("fsdp"))
     gpu_only = [o for o in options if o == "offload"] + (
         gpu_only_fsdp_keys(_read_fsdp_config(training.get("fsdp_config"))) if on else []

@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings
+from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
 from fsdp_peft.paths import resolve_model_path
 
@@ -59,6 +60,10 @@ def lora_config_arguments(recipe, shapes_only: bool = False) -> dict:
         "modules_to_save": list(recipe.lora_modules_to_save) or None,
         "trainable_token_indices": list(recipe.trainable_token_indices) or None,
     }
+    if init == "eva":
+        from peft import EvaConfig  # lazy: only EVA needs it
+
+        arguments["eva_config"] = EvaConfig(rho=recipe.eva_rho, tau=recipe.eva_tau)
     if init == "loftq":
         from peft import LoftQConfig  # lazy: only LoftQ needs it (and scipy behind it)
 
@@ -158,17 +163,43 @@ def _variant_keys_are_known(recipe, training) -> str | None:
         if bad or (key == "lora_rank_pattern" and any(not isinstance(v, int) for v in pattern.values())):
             kind = "a positive whole number (a rank)" if key == "lora_rank_pattern" else "a positive number"
             return f"{key}: every value must be {kind}, got {bad or pattern}"
+    if recipe.eva_batches < 1:
+        return f"eva_batches: must be at least 1, got {recipe.eva_batches} (global training batches EVA's SVD reads)"
+    if not 0 < recipe.eva_tau <= 1:
+        return (
+            f"eva_tau: must be in (0, 1], got {recipe.eva_tau} (cosine similarity at which EVA stops; peft's is 0.99)"
+        )
     if any(index < 0 for index in recipe.trainable_token_indices):
         return f"trainable_token_indices: token ids are 0 or more, got {recipe.trainable_token_indices}"
     return None
 
 
-def _eva_needs_the_whole_data_on_one_rank(recipe, training) -> str | None:
-    if recipe.init_lora_weights == "eva":
+def _eva_keeps_the_configured_ranks(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva" and recipe.eva_rho != 1:
         return (
-            "init_lora_weights: eva computes its SVD from activations of the training data before training "
-            "(peft's initialize_lora_eva_weights on an unsharded model with its own dataloader), which the "
-            "sharded recipes do not run; use pissa, olora, loftq, gaussian or default"
+            f"eva_rho: {recipe.eva_rho} redistributes LoRA ranks between layers by the data pass, so neither "
+            "fsdp-peft plan nor a resumed run (which skips the pass) can know the adapter shapes beforehand; "
+            "set eva_rho: 1 (each layer keeps lora_r or its lora_rank_pattern rank)"
+        )
+    return None
+
+
+def _eva_initialises_linear_layers_only(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva" and targets_embedding(recipe):
+        return (
+            "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only and "
+            "re-creates the embedding's adapter with its default init; remove the embedding from "
+            "lora_target_modules, or use another init_lora_weights"
+        )
+    return None
+
+
+def _eva_forwards_the_loaded_model_before_sharding(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva" and low_memory_loading_requested(training):
+        return (
+            "init_lora_weights: eva runs forward passes before FSDP shards the model, and under "
+            "fsdp_cpu_ram_efficient_loading the ranks hold no weights until after sharding; "
+            "set fsdp_cpu_ram_efficient_loading: false, or use another init_lora_weights"
         )
     return None
 
@@ -288,7 +319,9 @@ def _new_tokens_train_as_trainable_tokens(recipe, training) -> str | None:
 
 VARIANT_RULES = [
     _variant_keys_are_known,
-    _eva_needs_the_whole_data_on_one_rank,
+    _eva_keeps_the_configured_ranks,
+    _eva_initialises_linear_layers_only,
+    _eva_forwards_the_loaded_model_before_sharding,
     _init_from_base_weights_needs_the_full_precision_base,
     _trainable_tokens_and_their_embedding_copy_exclude_each_other,
     _fsdp1_keeps_tied_embeddings_in_the_root,

@@ -7,6 +7,7 @@ learning rate keeps its first leg identical to the uninterrupted run's first 6 s
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,19 +39,23 @@ COMMON = [
     "16",
 ]
 
+EVA = ["--init_lora_weights", "eva"]  # the FSDP2 runs start from EVA: the resumed leg must skip its data pass
+
+RESUMED: dict[str, str] = {}  # what the interrupted run's two legs printed
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     full, interrupted = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("interrupted")
-    launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *COMMON)
-    launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *COMMON)
+    launch_recipe("llama_lora", "--output_dir", str(full), "--max_steps", "10", *COMMON, *EVA)
+    first = launch_recipe("llama_lora", "--output_dir", str(interrupted), "--max_steps", "6", *COMMON, *EVA)
     shutil.rmtree(interrupted / "checkpoint-6")  # the run "died" after step 6; step 5 is the last checkpoint
     other_world = tmp_path_factory.mktemp("one_rank")
     shutil.copytree(interrupted / "checkpoint-5", other_world / "checkpoint-5")
-    resume = ["--max_steps", "10", *COMMON]
-    launch_recipe(
+    resume = ["--max_steps", "10", *COMMON, *EVA]
+    resumed = launch_recipe(
         "llama_lora",
         "--output_dir",
         str(interrupted),
@@ -69,11 +74,18 @@ def runs(tmp_path_factory, tiny_model_dir):
         str(other_world / "checkpoint-5"),
         processes=1,
     )
+    RESUMED.update({"first leg": first.stdout, "resumed": resumed.stdout})
     return full, interrupted, other_world
 
 
 def test_resumed_run_repeats_the_uninterrupted_losses_and_adapter(runs):
     full, resumed, _ = runs
+    eva_pass = re.search(r"eva: lora_A of 28 layers from the SVD of their inputs.*", RESUMED["first leg"])
+    print(f"first leg: {eva_pass[0]}")
+    assert (
+        "[fsdp-peft] eva: resuming, the checkpoint's adapter is loaded; the EVA pass is skipped" in RESUMED["resumed"]
+    )
+    assert "eva: lora_A" not in RESUMED["resumed"]
     want, got = logged_losses(full), logged_losses(resumed)
     assert sorted(got) == list(range(1, 11))
     for step in range(6, 11):
@@ -136,6 +148,7 @@ def test_resuming_with_another_global_batch_or_fsdp_version_fails_at_once(runs):
         "--max_steps",
         "10",
         *COMMON,
+        *EVA,
         "--resume_from_checkpoint",
         str(checkpoint),
     ]

@@ -193,11 +193,23 @@ CASES = {
         ["--init_lora_weights", "pisa"],
         "init_lora_weights: 'pisa' is not one of default, gaussian, pissa, pissa_niter_N (N: subspace iterations",
     ),
-    "_eva_needs_the_whole_data_on_one_rank": (
+    "_eva_keeps_the_configured_ranks": (
         LORA_TINY,
-        {},
+        ACCELERATE_FSDP2,
+        ["--init_lora_weights", "eva", "--eva_rho", "2"],
+        "eva_rho: 2.0 redistributes LoRA ranks between layers by the data pass, so neither fsdp-peft plan nor",
+    ),
+    "_eva_initialises_linear_layers_only": (
+        LORA_TINY,
+        ACCELERATE_FSDP2,
+        ["--init_lora_weights", "eva", "--lora_target_modules", "q_proj", "embed_tokens"],
+        "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only",
+    ),
+    "_eva_forwards_the_loaded_model_before_sharding": (
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "WORLD_SIZE": "2"},
         ["--init_lora_weights", "eva"],
-        "init_lora_weights: eva computes its SVD from activations of the training data before training",
+        "init_lora_weights: eva runs forward passes before FSDP shards the model, and under fsdp_cpu_ram_efficient",
     ),
     "_init_from_base_weights_needs_the_full_precision_base": (
         LORA_TINY,
@@ -317,3 +329,24 @@ def test_pissa_olora_and_loftq_on_a_4bit_base_pass_and_loftq_must_fit_its_4_bits
             assert recipe.init_lora_weights == init and recipe.load_in_4bit
     with pytest.raises(ConfigError, match=r"^loftq_bits: 2 with load_in_4bit: the base is loaded in 4 bits"):
         parse_recipe_config([*base, "--init_lora_weights", "loftq", "--loftq_bits", "2"], QLORA_TINY, str(tmp_path))
+
+
+def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatch, tmp_path):
+    from fsdp_peft.preference import preference_refusal  # lazy: trl, for this one check
+
+    base = ["--config", str(LORA_TINY), "--output_dir", str(tmp_path), "--init_lora_weights", "eva"]
+    for env in (ACCELERATE_FSDP1, ACCELERATE_FSDP2):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for config in (LORA_TINY, QLORA_TINY):
+            recipe, _ = parse_recipe_config([*base, "--config", str(config)], config, str(tmp_path))
+            assert recipe.init_lora_weights == "eva" and recipe.eva_rho == 1 and recipe.eva_batches == 16
+    with pytest.raises(ConfigError, match=r"^eva_tau: must be in \(0, 1\], got 1.5"):
+        parse_recipe_config([*base, "--eva_tau", "1.5"], LORA_TINY, str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^eva_batches: must be at least 1, got 0"):
+        parse_recipe_config([*base, "--eva_batches", "0"], LORA_TINY, str(tmp_path))
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    with pytest.raises(ConfigError, match=r"^init_lora_weights: eva on XLA \(PJRT_DEVICE=CPU\): its data pass is"):
+        parse_recipe_config(base, LORA_TINY, str(tmp_path))
+    monkeypatch.delenv("PJRT_DEVICE")
+    assert preference_refusal(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT")

@@ -1,9 +1,9 @@
 """LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
 Variants are combined so that nine 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
-``lm_head`` copy (FSDP2 and FSDP1), trainable tokens + new tokens + OLoRA init (FSDP2 with low-memory loading, a
-checkpoint resumed on one rank; and FSDP1), LoRA on the embedding + PiSSA init (FSDP2 and FSDP1), QDoRA with a
-trained head copy and trainable tokens (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by
+``lm_head`` copy + EVA init (FSDP2 and FSDP1), trainable tokens + new tokens + OLoRA init (FSDP2 with low-memory
+loading, a checkpoint resumed on one rank; and FSDP1), LoRA on the embedding + PiSSA init (FSDP2 and FSDP1), QDoRA
+with a trained head copy and trainable tokens (FSDP2 and FSDP1), and PiSSA on the 4-bit base (its residual read by
 low-memory loading). Each run is compared with one process with the same global batch and seed; its saved
 adapter is reloaded by plain peft, its export compared with peft's ``merge_and_unload()`` and its measured
 per-rank bytes with the planner's.
@@ -28,6 +28,7 @@ from fsdp_peft.export import export_merged
 from fsdp_peft.new_tokens import read_new_tokens, tokenizer_directory
 from fsdp_peft.plan import plan_memory
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.runs import EVA_INIT_FILE
 
 STEPS = 5
 NEW_TOKENS = ["<|tool_call|>", "<|tool_result|>"]  # new tokens in every completion of the "tokens" variant's data
@@ -41,6 +42,7 @@ VARIANTS = {
             "lora_rank_pattern": {"o_proj": 8},
             "lora_alpha_pattern": {"down_proj": 16},
             "lora_modules_to_save": ["lm_head"],
+            "init_lora_weights": "eva",  # its SVD pass on each rank's shard of the data, before wrapping
         },
     ),
     "tokens": (
@@ -179,6 +181,16 @@ def test_variant_trains_like_one_process_with_its_tensors_sharded(run, tmp_path_
     print(f"{run['variant']} FSDP{run['version']}: largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= TOLERANCE[run["recipe"]], (losses, reference)
 
+    if VARIANTS[run["variant"]][1].get("init_lora_weights") == "eva":  # both ranks' SVD = one process's
+        eva_pass = re.search(r"eva: lora_A of .*", run["stdout"])
+        assert eva_pass and eva_pass[0].startswith(
+            "eva: lora_A of 28 layers from the SVD of their inputs over 16 global"
+        )
+        sharded, single = load_file(run["dir"] / EVA_INIT_FILE), load_file(reference_dir / EVA_INIT_FILE)
+        assert set(sharded) == set(single) and len(sharded) == 28
+        gap = max(((sharded[k] - single[k]).norm() / single[k].norm()).item() for k in single)
+        print(f"eva FSDP{run['version']}: {eva_pass[0]}; initial lora_A, 2 ranks vs one process: {gap:.2e} relative")
+        assert gap <= 1e-5
     if run["variant"] in LAUNCHER_SETTINGS and run["version"] == 2:  # low-memory loading (tokens: grown rows too)
         assert "[fsdp-peft] low-memory loading: rank 0 read 39 tensors of" in run["stdout"]
     if run["variant"] == "qpissa":  # the residual checkpoint went through low-memory loading
