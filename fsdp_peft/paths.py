@@ -56,3 +56,14 @@ def checkpoint_quantization(name: str) -> dict | None:
         return json.loads(config.read_text()).get("quantization_config")
     except (ValueError, AttributeError):
         return None
+
+
+def local_model_config(name: str, trust_remote_code: bool = False):
+    """The config of model ``name`` (an embedded tiny model, a directory or a hub id) as transformers reads it, from
+    this machine only: raises ``OSError`` when it is not here (nothing is downloaded), ``ValueError`` when
+    transformers cannot read it."""
+    from transformers import AutoConfig  # lazy: the export reads model files without transformers
+
+    return AutoConfig.from_pretrained(
+        resolve_model_path(name), local_files_only=True, trust_remote_code=trust_remote_code
+    )

@@ -34,7 +34,7 @@ from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer
 from fsdp_peft.new_tokens import grow_vocabulary, trained_token_indices
-from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.paths import local_model_config, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import mixed_precision_dtype
 from fsdp_peft.variants import lora_config_arguments, stored_weight
@@ -302,7 +302,7 @@ def load_model_config(name: str, trust_remote_code: bool = False):
     """The model's config only: embedded tiny models, local directories, or hub ids (downloaded config)."""
     path = resolve_model_path(name)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        return local_model_config(name, trust_remote_code)
     except (OSError, ValueError):
         pass  # not on this machine: ask the hub
     try:

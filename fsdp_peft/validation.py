@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import attention_problem
@@ -32,7 +32,7 @@ from fsdp_peft.launch import (
     ranks,
 )
 from fsdp_peft.loading import low_memory_loading_requested
-from fsdp_peft.paths import checkpoint_quantization, resolve_model_path
+from fsdp_peft.paths import checkpoint_quantization, local_model_config
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
@@ -166,9 +166,7 @@ def _local_model_path_exists(recipe, training) -> str | None:
 def _model_config_is_a_causal_lm(recipe, training) -> str | None:
     name = recipe.model_name_or_path
     try:
-        config = AutoConfig.from_pretrained(
-            resolve_model_path(name), local_files_only=True, trust_remote_code=recipe.trust_remote_code
-        )
+        config = local_model_config(name, recipe.trust_remote_code)
     except OSError:
         return None  # not on this machine yet: loading it will tell
     except ValueError as error:
@@ -506,9 +504,7 @@ def model_structure_problems(recipe) -> list[str]:
     built on the meta device from its config; none when the config is not on this machine."""
     name = recipe.model_name_or_path
     try:
-        config = AutoConfig.from_pretrained(
-            resolve_model_path(name), local_files_only=True, trust_remote_code=recipe.trust_remote_code
-        )
+        config = local_model_config(name, recipe.trust_remote_code)
     except (OSError, ValueError):
         return []  # not downloaded yet, or refused by `_model_config_is_a_causal_lm`
     try:

@@ -14,14 +14,13 @@ import json
 import re
 
 import torch
-from transformers import AutoConfig
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
 from fsdp_peft.launch import FsdpSettings, fsdp_settings
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
-from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.paths import local_model_config, resolve_model_path
 
 INIT_CHOICES = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "eva")
 LOFTQ_BITS = (2, 4, 8)
@@ -245,11 +244,7 @@ def _trainable_tokens_and_their_embedding_copy_exclude_each_other(recipe, traini
 def _ties_embeddings(recipe) -> bool:
     """Whether the model's config (on this machine) ties the input embedding and the output head."""
     try:
-        config = AutoConfig.from_pretrained(
-            resolve_model_path(recipe.model_name_or_path),
-            local_files_only=True,
-            trust_remote_code=recipe.trust_remote_code,
-        )
+        config = local_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     except (OSError, ValueError):
         return False  # not on this machine yet, or refused by another rule
     return bool(getattr(config, "tie_word_embeddings", False))
