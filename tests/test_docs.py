@@ -348,6 +348,10 @@ INSTEAD: dict[str, Run] = {
         "python benchmarks/train_cpu.py --models tiny --methods lora --steps 1",
         why="10-20 minutes: the same benchmark on the tiny model, LoRA, 1 step",
     ),
+    "python benchmarks/variants.py": Run(
+        "python benchmarks/variants.py --variants embedding_lora --methods qlora --versions 1",
+        why="25 minutes: one variant the suite's combined runs leave out (QLoRA, embedding LoRA, FSDP1)",
+    ),
     "python benchmarks/activations.py": Run(
         "python benchmarks/activations.py --tokens 128 --vocab 4096",
         why="4 minutes: the same measurement and planner check on a 128-token, 4096-word shape",
@@ -557,6 +561,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         assert "[gpu_check] results: " in output
     elif "benchmarks/activations.py" in command:
         assert "planner within 10% of the saved bytes in all 4 cases: True" in output
+    elif "benchmarks/variants.py" in command:
+        assert "1 runs: 0 failed or out of bound" in output
     elif "benchmarks/train_cpu.py" in command:
         assert "per-rank params+grads+optimizer, world size 2 / 1, tiny/lora: 0.500" in output
     for line in (line for text in documented for line in DOCUMENTED_OUTPUT.get(text, [])):
