@@ -12,12 +12,13 @@ with the whole global batch), so every rank computes the same SVD. Rank 0's resu
 ranks start from bitwise the same adapter whatever the SVD kernels do. The batches are the first
 ``eva_batches`` global batches of a permutation of the training rows seeded by ``seed``: the same rows for
 any number of ranks. The pass leaves every random number generator as it found it, and a resumed run skips it
-(its checkpoint holds the trained adapter). Rank 0 writes the initial ``lora_A`` rows to
-``output_dir/eva_init.safetensors``.
+(its checkpoint holds the trained adapter). On CPU the pass runs on one thread. Rank 0 writes the initial
+``lora_A`` rows to ``output_dir/eva_init.safetensors``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ from peft.tuners.lora.eva import get_eva_state_dict, initialize_lora_eva_weights
 from safetensors.torch import save_file
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.export import torch_threads
 from fsdp_peft.launch import ranks
 from fsdp_peft.log import logger
 from fsdp_peft.runs import EVA_INIT_FILE
@@ -85,7 +87,10 @@ def initialise_eva(trainer, recipe, resumed: bool) -> None:
     forwards = _Forwards(trainer.autocast_smart_context_manager, PASSES_PER_BATCH * len(batches))
     gpus = [device.index or 0] if device.type == "cuda" else []
     started = time.monotonic()
-    with torch.random.fork_rng(devices=gpus), warnings.catch_warnings():
+    # on CPU one thread: the SVD's arithmetic (near-equal singular values' vectors) then does not depend on the
+    # process's thread count, and its many small SVDs run faster (measured in docs/variants.md)
+    threads = torch_threads(1) if device.type == "cpu" else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=gpus), warnings.catch_warnings(), threads:
         warnings.filterwarnings("ignore", message="torch.distributed is initialized")  # the gather is the point
         state = get_eva_state_dict(model, batches, forward_fn=forwards, show_progress_bar=False)
         state = {name: rows.contiguous() for name, rows in state.items()}
