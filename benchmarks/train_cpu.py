@@ -48,14 +48,12 @@ def model_path(name: str) -> str:
     return "tiny-llama" if name == "tiny" else str(llama_100m_path())
 
 
-def write_config(directory: Path, model: str, method: str, world: int, steps: int) -> Path:
-    """The run's recipe YAML: the recipe's tiny default, a model and a short, evaluation-free schedule."""
+def short_run_config(directory: Path, method: str, **values) -> Path:
+    """A recipe YAML for a benchmark run: the recipe's tiny default, ``values`` over it, and a short,
+    evaluation-free schedule writing into ``directory/out``."""
     values = {
         "include": str(REPO / "configs" / RECIPES[method] / "tiny.yaml"),
-        "model_name_or_path": model_path(model),
-        "max_steps": steps,
-        "per_device_train_batch_size": GLOBAL_BATCH[model] // world,
-        "max_seq_length": SEQ_LENGTH,
+        **values,
         "warmup_steps": 0,
         "logging_steps": 1,
         "generate_samples": 0,
@@ -65,6 +63,18 @@ def write_config(directory: Path, model: str, method: str, world: int, steps: in
     path = directory / "config.yaml"
     path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
     return path
+
+
+def write_config(directory: Path, model: str, method: str, world: int, steps: int) -> Path:
+    """The run's recipe YAML: a model, its global batch over ``world`` ranks, ``steps`` steps."""
+    return short_run_config(
+        directory,
+        method,
+        model_name_or_path=model_path(model),
+        max_steps=steps,
+        per_device_train_batch_size=GLOBAL_BATCH[model] // world,
+        max_seq_length=SEQ_LENGTH,
+    )
 
 
 def accelerate_config(directory: Path, low_memory_loading: bool) -> Path:

@@ -29,7 +29,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from train_cpu import RECIPES, launch, planned  # noqa: E402  (the benchmarks' shared launcher and plan reader)
+from train_cpu import RECIPES, launch, planned, short_run_config  # noqa: E402  (the benchmarks' shared pieces)
 
 STEPS = 5
 PER_RANK_BATCH = 16
@@ -53,20 +53,9 @@ MEMORY_KEYS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
 
 
 def write_config(directory: Path, variant: str, method: str, per_device_batch: int) -> Path:
-    values = {
-        "include": str(REPO / "configs" / RECIPES[method] / "tiny.yaml"),
-        **VARIANTS[variant],
-        "max_steps": STEPS,
-        "per_device_train_batch_size": per_device_batch,
-        "warmup_steps": 0,
-        "logging_steps": 1,
-        "generate_samples": 0,
-        "generate_eval_samples": 0,
-        "output_dir": str(directory / "out"),
-    }
-    path = directory / "config.yaml"
-    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
-    return path
+    return short_run_config(
+        directory, method, **VARIANTS[variant], max_steps=STEPS, per_device_train_batch_size=per_device_batch
+    )
 
 
 def losses(output_dir: Path) -> list[float]:

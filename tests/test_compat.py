@@ -101,6 +101,16 @@ def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tm
     assert not (tmp_path / "out").exists()
 
 
+def _output_and_delta_gradient(layer, inputs: torch.Tensor, weights: torch.Tensor):
+    """A trainable-token layer's output for ``inputs`` and the gradient of its trained rows under a fixed
+    weighting of the output."""
+    delta = layer.trainable_tokens_delta["default"]
+    delta.grad = None
+    output = layer(inputs)
+    (output.float() * weights).sum().backward()
+    return output.detach(), delta.grad.clone()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_trainable_tokens_through_the_base_layer_give_peft_values_and_gradients(dtype, tiny_model_dir):
     """The patched forward calls the frozen embedding (FSDP1 gathers it) and gives peft's own output and
@@ -120,18 +130,12 @@ def test_trainable_tokens_through_the_base_layer_give_peft_values_and_gradients(
     ids = torch.tensor([[1, 3, 5, 7, 3, 9, 7, 3], [2, 7, 7, 4, 5, 3, 8, 1]])
     weights = torch.randn(2, 8, base.config.hidden_size)
 
-    def output_and_gradient():
-        delta.grad = None
-        output = layer(ids)
-        (output.float() * weights).sum().backward()
-        return output.detach(), delta.grad.clone()
-
     calls = []
     layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
-    expected, expected_grad = output_and_gradient()
+    expected, expected_grad = _output_and_delta_gradient(layer, ids, weights)
     assert calls == []  # peft's own forward never calls the frozen embedding
     assert _compat.trainable_tokens_through_the_base_layer(model) == 1
-    output, grad = output_and_gradient()
+    output, grad = _output_and_delta_gradient(layer, ids, weights)
     assert calls == [layer.base_layer]
     assert output.dtype == expected.dtype == dtype and torch.equal(output, expected)
     assert grad.dtype == torch.float32 and torch.equal(grad, expected_grad)
@@ -160,18 +164,12 @@ def test_trainable_tokens_of_an_untied_head_call_the_frozen_head_and_give_peft_v
     x = torch.randn(2, 5, base.config.hidden_size, dtype=dtype)
     weights = torch.randn(2, 5, base.config.vocab_size)
 
-    def output_and_gradient():
-        delta.grad = None
-        output = layer(x)
-        (output.float() * weights).sum().backward()
-        return output.detach(), delta.grad.clone()
-
     calls = []
     layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
-    expected, expected_grad = output_and_gradient()
+    expected, expected_grad = _output_and_delta_gradient(layer, x, weights)
     assert calls == []  # peft's own forward never calls the frozen head
     assert _compat.trainable_tokens_through_the_base_layer(model) == 2  # the embedding's rows and the head's
-    output, grad = output_and_gradient()
+    output, grad = _output_and_delta_gradient(layer, x, weights)
     assert calls == [layer.base_layer] and output.dtype == expected.dtype == dtype
     untrained = [i for i in range(base.config.vocab_size) if i not in indices["lm_head"]]
     assert torch.equal(output[..., untrained], expected[..., untrained])
