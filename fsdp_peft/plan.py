@@ -24,20 +24,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
-from fsdp_peft.modeling import load_tokenizer
-from fsdp_peft.new_tokens import grow_vocabulary, trained_token_indices
+from fsdp_peft.modeling import load_tokenizer, lora_config
+from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import local_model_config, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import mixed_precision_dtype
-from fsdp_peft.variants import lora_config_arguments, stored_weight
+from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import xla_plan
 
 GIB = 2**30
@@ -153,18 +152,7 @@ def meta_peft_model(model_config, recipe):
         if recipe.new_special_tokens:  # the grown embedding and head (and logits), their new rows trained
             grow_vocabulary(model, load_tokenizer(recipe), recipe)
             model_config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
-        lora = LoraConfig(
-            r=recipe.lora_r,
-            lora_alpha=recipe.lora_alpha,
-            lora_dropout=recipe.lora_dropout,
-            target_modules=lora_targets(recipe.lora_target_modules, family_for(model_config.model_type)),
-            task_type="CAUSAL_LM",
-            **{
-                **lora_config_arguments(recipe, shapes_only=True),
-                "trainable_token_indices": trained_token_indices(model, recipe.trainable_token_indices),
-            },
-        )
-        return get_peft_model(model, lora)
+        return get_peft_model(model, lora_config(recipe, model, shapes_only=True))
 
 
 def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[torch.nn.Parameter]]:
