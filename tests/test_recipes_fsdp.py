@@ -154,14 +154,21 @@ def test_training_matches_one_process_with_the_same_global_batch(run, tmp_path_f
     assert adapter.keys() == reference_adapter.keys()
     for key, want in reference_adapter.items():
         assert adapter[key].shape == want.shape, key  # gathered from both shards, not rank 0's half
+    # Each adapter tensor against the reference relative to that tensor's norm: the split batch sums its
+    # gradients in another order (fp32 rounding, ~1e-7 relative per step, as the losses show), and Adam divides
+    # each element's step by that element's own running RMS, so an element whose steps nearly cancel over the
+    # run carries that rounding amplified. Relative to the tensor's largest element such an element measured
+    # 2.5e-5 and 3.3e-5 on two CPUs (one with AVX512-BF16 kernels, one without: the figure follows the CPU's
+    # kernels, not the code), while every tensor as a whole agreed to 1.6e-6. The norm is what "the same
+    # training" guarantees; the largest element is printed, not asserted.
     elementwise = max(((adapter[k] - v).abs().max() / v.abs().max()).item() for k, v in reference_adapter.items())
     frobenius = max(((adapter[k] - v).norm() / v.norm()).item() for k, v in reference_adapter.items())
     print(
         f"{run['recipe']} FSDP{run['version']}: adapter difference, "
-        f"largest element {elementwise:.2e}, norm {frobenius:.2e}"
+        f"largest element {elementwise:.2e} of its tensor's largest, largest tensor norm {frobenius:.2e}"
     )
     if run["recipe"] == "llama_lora":
-        assert elementwise <= LOSS_TOLERANCE["llama_lora"]
+        assert frobenius <= LOSS_TOLERANCE["llama_lora"]
     else:
         # bf16 gradients round differently when the batch is split over ranks, and Adam turns any
         # difference in a near-zero gradient into a full +-lr step on that element: elementwise agreement
