@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -264,6 +265,14 @@ UPSTREAM: tuple[Upstream, ...] = (
         "XLA FSDP delays optimizer creation and prepares only the optimizer when the model came back wrapped",
         "Trainer creates the delayed optimizer after XLA FSDP wrapping again (transformers 5.2 did)",
         mentions=("is_fsdp_xla_enabled", "delay_optimizer_creation", "use_accelerator_prepare"),
+    ),
+    Upstream(
+        "torch.distributed.device_mesh:DeviceMesh.__init__",
+        ("self", "device_type", "mesh"),
+        "fsdp_peft._compat.process_groups_released",
+        "every DeviceMesh holds its process groups in _pg_registry, past destroy_process_group",
+        "destroy_process_group releases the device meshes' groups (their native threads joined)",
+        mentions=("_pg_registry",),
     ),
     Upstream(
         "transformers.quantizers.base:HfQuantizer.__init__",
@@ -673,3 +682,50 @@ def xla_fsdp_optimizer_created(trainer):
         yield
     finally:
         del trainer._wrap_model
+
+
+PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)
+
+
+def process_groups_released() -> list[str]:
+    """Drops what every `DeviceMesh` still holds of its process groups after ``destroy_process_group``, so that the
+    groups are destructed (their native threads joined) now, while the interpreter is whole; returns the names of
+    process-group threads still running (Linux; empty where it cannot tell).
+
+    Why: torch 2.13's ``destroy_process_group`` unregisters the groups and shuts their backends down, but each
+    `DeviceMesh` keeps its groups in ``_pg_registry``, and DTensor's sharding-propagation cache keeps the mesh
+    of every DTensor a run created, so the gloo group of an FSDP2 run is never destructed: its 2 worker threads
+    and its TCP loop thread were still running at interpreter exit in every recipe run (under gdb its destructor
+    never ran), left to race interpreter finalization and the C++ static destructors. That is the state in
+    which finished runs aborted at exit ("terminate called without an active exception", SIGABRT). Cleared
+    registries are rebuilt from the group names if a mesh is used again; once the model is gone, nothing
+    else holds the group. tests/distributed/process_group_release_check.py shows both states.
+    Remove when: ``destroy_process_group`` alone joins the threads of an FSDP2 run's group.
+    """
+    if "torch.distributed.device_mesh" not in sys.modules:  # no mesh was ever made
+        return process_group_threads()
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # the model and trainer of the run: reference cycles
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # type(): no __class__ lookups
+        mesh._pg_registry.clear()
+    gc.collect()
+    return process_group_threads()
+
+
+def process_group_threads() -> list[str]:
+    """The names of this process's native threads that belong to a process group (Linux ``/proc``; else empty)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    names = []
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(PROCESS_GROUP_THREADS):
+            names.append(name)
+    return sorted(names)

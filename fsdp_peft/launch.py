@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_peft._compat import process_groups_released
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.xla import on_xla, xla_fsdp_config
 from fsdp_peft.yaml_files import load_yaml_file
@@ -139,14 +140,25 @@ def start_process_group() -> None:
 
 
 def release_process_group() -> None:
-    """Destroy the process group while the interpreter is whole; every distributed entry point ends here.
+    """Destroy the process group and join its native threads while the interpreter is whole; every distributed
+    entry point ends here (in ``finally``, and again at exit).
 
-    Left to interpreter shutdown, gloo's worker threads can still hold work with Python references and
-    the process aborts after a finished run ("terminate called without an active exception", SIGABRT),
-    which the launcher reports as a failure.
+    Threads of a process group left running into interpreter shutdown race finalization and the C++ static
+    destructors: finished runs aborted at exit ("terminate called without an active exception", SIGABRT),
+    which the launcher reports as a failure. torch's destroy alone leaves them running under FSDP2
+    (`fsdp_peft._compat.process_groups_released`); a thread still running afterwards is named in a warning.
     """
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         dist.destroy_process_group()
+    if still_running := process_groups_released():
+        from fsdp_peft.log import logger  # lazy: fsdp_peft.log reads this module's ranks
+
+        logger.warning(
+            f"{len(still_running)} native threads of the process group outlived it ({', '.join(still_running)}): "
+            "something still holds the group; the process may abort at exit"
+        )
 
 
 def launcher_asks_for_fsdp() -> bool:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run_command
+from conftest import REPO, last_json_line, run_command, torchrun
 from fsdp_peft import _compat
 from fsdp_peft._compat import UPSTREAM, VERIFIED, CompatError, upstream_problem, version_problem
 
@@ -37,6 +37,7 @@ def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
         _compat.trainable_tokens_through_the_base_layer,
         _compat.state_switched_to_fsdp,
         _compat.xla_fsdp_optimizer_created,
+        _compat.process_groups_released,
     ]
     for patch in patches:
         doc = inspect.getdoc(patch)
@@ -176,3 +177,13 @@ def test_trainable_tokens_of_an_untied_head_call_the_frozen_head_and_give_peft_v
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the trained columns: their own (smaller) matmul
     torch.testing.assert_close(output, expected, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_joins_its_process_group_threads_before_the_interpreter_ends():
+    """torch's destroy leaves an FSDP2 run's gloo threads running (the state in which finished runs aborted at
+    exit); `process_groups_released` joins them. If torch's destroy alone ever joins them, the patch can go."""
+    threads = last_json_line(torchrun(REPO / "tests" / "distributed" / "process_group_release_check.py").stdout)
+    assert threads["training"] == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]
+    assert threads["after_torch_destroy"] == threads["training"]
+    assert threads["after_release"] == []
