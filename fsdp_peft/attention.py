@@ -1,9 +1,11 @@
-"""The attention kernel (``attn_implementation``): what is installed and runs on this device, and the default.
+"""The attention kernel (``attn_implementation``): installed, runnable here, the architecture's; and the default.
 
-transformers picks the kernel when the model is built; a kernel whose package or device is missing fails
-there, after the launch. `attention_problem` says so before anything starts. ``auto`` takes FlashAttention-2
-on a CUDA GPU when flash-attn is installed (its variable-length kernel runs packed rows without padding
-or mask, split by ``position_ids``) and PyTorch's SDPA everywhere else.
+transformers picks the kernel when the model is built; a kernel whose package or device is missing, or that the
+model's architecture lacks (Gemma-2 has no SDPA), fails there, after the launch. `attention_problem` and
+`architecture_problem` say so before anything starts. ``auto`` (`chosen_attention`) takes FlashAttention-2 on a
+CUDA GPU when flash-attn is installed and the architecture supports it (its variable-length kernel runs packed
+rows without padding or mask, split by ``position_ids``), else PyTorch's SDPA where the architecture supports
+it, else eager: transformers' own fallback when no kernel is asked for.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ from __future__ import annotations
 import re
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.utils import (
     is_flash_attn_2_available,
     is_flash_attn_3_available,
     is_kernels_available,
     is_torch_flex_attn_available,
 )
+
+from fsdp_peft.paths import local_model_config
 
 AUTO = "auto"
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -30,17 +37,68 @@ NEEDS = {
     "flex_attention": ("torch >= 2.5 (flex attention)", is_torch_flex_attn_available),
 }
 GPU_ONLY = ("flash_attention_2", "flash_attention_3")
+# the model class's flag that says it has the kernel (transformers' `PreTrainedModel._supports_*`), and its name
+SUPPORT_FLAGS = {
+    "sdpa": ("_supports_sdpa", "SDPA"),
+    "flash_attention_2": ("_supports_flash_attn", "FlashAttention"),
+    "flash_attention_3": ("_supports_flash_attn", "FlashAttention"),
+    "flex_attention": ("_supports_flex_attn", "flex"),
+}
 
 
-def default_attention() -> str:
-    """``auto``: FlashAttention-2 on CUDA when installed, else SDPA."""
+def supports(model_class: type, kernel: str) -> bool:
+    """Whether transformers lets a model of ``model_class`` run ``kernel`` (eager: every model)."""
+    return kernel not in SUPPORT_FLAGS or bool(getattr(model_class, SUPPORT_FLAGS[kernel][0], False))
+
+
+def chosen_attention(value: str, model_class: type | None) -> str:
+    """The kernel a model of ``model_class`` runs for ``attn_implementation: value``; an explicit kernel as given.
+
+    ``auto``: FlashAttention-2 on CUDA when flash-attn is installed and the class supports it, else SDPA when it
+    does, else eager (as transformers' ``get_correct_attn_implementation(None)``). ``model_class`` ``None`` (not
+    known offline): FlashAttention-2 or SDPA, and the model's own choice once it is loaded (`modeling`).
+    """
+    if value != AUTO:
+        return value
+    known = model_class is not None
     if torch.cuda.is_available() and is_flash_attn_2_available():
-        return "flash_attention_2"
-    return "sdpa"
+        if not known or supports(model_class, "flash_attention_2"):
+            return "flash_attention_2"
+    return "sdpa" if not known or supports(model_class, "sdpa") else "eager"
 
 
-def resolved_attention(value: str) -> str:
-    return default_attention() if value == AUTO else value
+def causal_lm_class(config, trust_remote_code: bool = False) -> type | None:
+    """The class ``AutoModelForCausalLM`` builds for ``config``, found without weights; ``None`` when unknown
+    here (remote code not trusted or not on this machine, or no causal LM)."""
+    reference = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if reference and trust_remote_code:
+        try:
+            return get_class_from_dynamic_module(reference, config.name_or_path, local_files_only=True)
+        except (OSError, ValueError, ImportError):
+            return None
+    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+
+
+def model_class_named(name: str, trust_remote_code: bool = False) -> type | None:
+    """`causal_lm_class` of model ``name``, from its config on this machine; ``None`` when it is not here."""
+    try:
+        return causal_lm_class(local_model_config(name, trust_remote_code), trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def architecture_problem(value: str, model_class: type | None) -> str | None:
+    """Why a model of ``model_class`` cannot run ``attn_implementation: value`` (one line with the fix); ``None``
+    when it can, for ``auto``, or when the class is not known."""
+    if model_class is None or value not in SUPPORT_FLAGS or supports(model_class, value):
+        return None
+    flag, kernel = SUPPORT_FLAGS[value]
+    others = ", ".join(k for k in ("eager", *SUPPORT_FLAGS) if k != value and supports(model_class, k))
+    return (
+        f"attn_implementation: {value}: {model_class.__name__} has no {kernel} attention in transformers "
+        f"{transformers.__version__} ({flag} is False); use auto ({chosen_attention(AUTO, model_class)} for it here) "
+        f"or a kernel it supports: {others}"
+    )
 
 
 def attention_problem(value: str) -> str | None:

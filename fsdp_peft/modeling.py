@@ -22,7 +22,7 @@ from fsdp_peft._compat import (
     dora_lora_weight_without_graph,
     trainable_tokens_through_the_base_layer,
 )
-from fsdp_peft.attention import resolved_attention
+from fsdp_peft.attention import architecture_problem, chosen_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
@@ -87,7 +87,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
 
     Under FSDP2 with ``cpu_ram_efficient_loading`` it is a weightless skeleton instead: the weights
     arrive, shard by shard from rank 0, once FSDP has sharded it (`fsdp_peft.loading`). Attention runs
-    the ``attn_implementation`` kernel (`fsdp_peft.attention`).
+    the ``attn_implementation`` kernel, ``auto`` one the architecture supports (`fsdp_peft.attention`).
     """
     device = local_device()
     path, initial_adapter = resolve_model_path(recipe.model_name_or_path), None
@@ -105,7 +105,10 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
             device_map={"": device},
             trust_remote_code=recipe.trust_remote_code,
         )
-    attention = resolved_attention(recipe.attn_implementation)
+    problem = architecture_problem(recipe.attn_implementation, type(model))  # remote code validation could not see
+    if problem:
+        raise ConfigError(problem)
+    attention = chosen_attention(recipe.attn_implementation, type(model))
     if model.config._attn_implementation != attention:
         model.set_attn_implementation(attention)
     if device.type == "cpu":

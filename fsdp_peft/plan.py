@@ -27,6 +27,7 @@ import torch
 from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
@@ -330,8 +331,10 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
     notes += [note] if note else []
-    if recipe.attn_implementation == "eager":
-        notes.append("attn_implementation: eager keeps seq x seq attention weights per layer; not counted")
+    base_class = type(peft_model.get_base_model())
+    if chosen_attention(recipe.attn_implementation, base_class) == "eager":
+        which = "eager" if recipe.attn_implementation == "eager" else f"auto (eager for {base_class.__name__})"
+        notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
     checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length

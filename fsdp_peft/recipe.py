@@ -156,6 +156,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         "generated_samples": len(samples),
         "adapter_dir": str(adapter_dir),
         "fsdp": trainer.is_fsdp_enabled,
+        "attention": model.config._attn_implementation,  # the kernel that ran (``auto``: the architecture's)
         "merged_dir": str(merged_dir) if recipe.export_merged else None,
         "steps": trainer.state.global_step,
         "tokens": trainer.state.num_input_tokens_seen,

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from fsdp_peft.attention import attention_problem
+from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.errors import ConfigError
@@ -462,6 +462,11 @@ def _attention_kernel_runs_here(recipe, training) -> str | None:
     return attention_problem(recipe.attn_implementation)
 
 
+def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
+    model_class = model_class_named(recipe.model_name_or_path, recipe.trust_remote_code)
+    return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
+
+
 RULES: list[Callable] = [
     _fsdp_settings_resolve,
     _dtype_keys_are_known,
@@ -491,6 +496,7 @@ RULES: list[Callable] = [
     _xla_route_can_run,
     *VARIANT_RULES,
     _attention_kernel_runs_here,
+    _architecture_has_the_attention_kernel,
 ]
 
 

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import pytest
 import torch
 
-from conftest import launch_recipe, read_json
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
 from fsdp_peft import paths, tiny
 from fsdp_peft.families import ATTENTION_AND_MLP, FAMILIES, GENERIC, family_for, lora_targets, pad_token_for
 from fsdp_peft.policies import decoder_layer_classes
 
 # sha256 of model.safetensors of tiny-llama as built before families existed (commit fc7ae9a)
 TINY_LLAMA_WEIGHTS_SHA256 = "04ad6d44177f175c00107245b12c35a4ff2408b658c36261224a67850e7f1ca5"
+GEMMA2_STEPS = 5
+# as tests/test_recipes_fsdp.py: with 4 rows a rank, bf16 rounding of the other matmul shapes alone puts QLoRA
+# 1.4e-4 apart after 3 steps, tiny-llama (SDPA) and Gemma-2 (eager) alike; with 16, 2.8e-5 and 3.6e-5
+GEMMA2_PER_RANK_BATCH = 16
+GEMMA2_LOSS_TOLERANCE = {"llama_lora": 1e-5, "llama_qlora": 1e-4}  # relative; fp32 LoRA, bf16-storage QLoRA
 
 
 def test_families_are_found_by_model_type_and_other_models_take_the_generic_path():
@@ -131,3 +137,61 @@ def test_a_model_with_no_family_entry_trains_through_the_generic_path(tmp_path, 
     results = read_json(out / "results.json")
     assert results["steps"] == 2 and results["fsdp"] is True
     assert "llama_lora: 2 steps" in result.stdout
+
+
+@pytest.fixture(scope="module", params=["llama_lora", "llama_qlora"])
+def gemma2_runs(request, tmp_path_factory, tiny_gemma2_dir) -> dict:
+    """The recipe (LoRA fp32, QLoRA nf4) on the tiny Gemma-2 with ``attn_implementation: auto``: 2 FSDP2 ranks, and
+    one process with the same global batch and seed."""
+    recipe = request.param
+    common = [
+        "--model_name_or_path",
+        str(tiny_gemma2_dir),
+        "--lora_target_modules",
+        "auto",
+        "--attn_implementation",
+        "auto",
+        "--max_steps",
+        str(GEMMA2_STEPS),
+        "--logging_steps",
+        "1",
+        "--warmup_steps",
+        "0",
+        "--generate_samples",
+        "0",
+        "--generate_eval_samples",
+        "0",
+    ]
+    two, one = tmp_path_factory.mktemp(f"gemma2_{recipe}_two"), tmp_path_factory.mktemp(f"gemma2_{recipe}_one")
+    launch_recipe(
+        recipe, *common, "--per_device_train_batch_size", str(GEMMA2_PER_RANK_BATCH), "--output_dir", str(two)
+    )
+    batch = str(2 * GEMMA2_PER_RANK_BATCH)
+    single = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *common, "--per_device_train_batch_size", batch]
+    result = run_command([*single, "--output_dir", str(one)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"recipe": recipe, "two": two, "one": one}
+
+
+@pytest.mark.slow
+def test_gemma2_trains_with_auto_attention_on_two_ranks_as_in_one_process(gemma2_runs):
+    """Gemma-2 has no SDPA: ``auto`` runs eager, and FSDP2 over 2 ranks matches one process step for step."""
+    two, one = logged_losses(gemma2_runs["two"]), logged_losses(gemma2_runs["one"])
+    assert sorted(two) == sorted(one) == list(range(1, GEMMA2_STEPS + 1))
+    worst = max(abs(two[step] - one[step]) / abs(one[step]) for step in one)
+    print(f"{gemma2_runs['recipe']} on Gemma-2: losses {list(one.values())}, largest relative difference {worst:.2e}")
+    assert worst <= GEMMA2_LOSS_TOLERANCE[gemma2_runs["recipe"]], (two, one)
+    for run in ("two", "one"):
+        assert read_json(gemma2_runs[run] / "results.json")["attention"] == "eager"
+
+
+@pytest.mark.slow
+def test_gemma2_decoder_layers_become_fsdp_units_with_lora_on_all_linear_layers(gemma2_runs):
+    layout = read_json(gemma2_runs["two"] / "fsdp_layout.json")
+    assert layout["world_size"] == 2 and read_json(gemma2_runs["two"] / "results.json")["fsdp"] is True
+    layers = [unit for unit in layout["units"] if ".layers." in unit]
+    assert layers == [f"base_model.model.model.layers.{i}" for i in range(4)]
+    adapted = json.loads((gemma2_runs["two"] / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert set(adapted) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    adapters = [p["name"] for p in layout["parameters"] if ".lora_A." in p["name"]]
+    assert len(adapters) == 4 * 7 and all(".layers." in name for name in adapters)  # not the (tied) head

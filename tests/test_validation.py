@@ -96,6 +96,12 @@ CASES = {
         ["--attn_implementation", "flash_attention_2"],
         "attn_implementation: flash_attention_2 runs on CUDA GPUs only and this machine has none; or use sdpa",
     ),
+    "_architecture_has_the_attention_kernel": (
+        LORA_TINY,
+        {},
+        ["--model_name_or_path", "{gemma2_model}", "--attn_implementation", "sdpa"],
+        "attn_implementation: sdpa: Gemma2ForCausalLM has no SDPA attention in transformers",
+    ),
     "_data_settings_are_known": (
         LORA_TINY,
         {},
@@ -245,8 +251,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def odd_models(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
-    """Model directories the rules refuse: an encoder-decoder config, a pre-quantized 4-bit tiny-llama."""
+def odd_models(tmp_path_factory, tiny_model_dir, tiny_gemma2_dir) -> dict[str, str]:
+    """Model directories the rules refuse: an encoder-decoder config, a pre-quantized 4-bit tiny-llama, a tied
+    tiny-llama, a Gemma-2 (no SDPA)."""
     root = tmp_path_factory.mktemp("odd_models")
     (root / "t5").mkdir()
     (root / "t5" / "config.json").write_text('{"model_type": "t5", "d_model": 64, "num_layers": 1}')
@@ -254,7 +261,12 @@ def odd_models(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
     (root / "tied").mkdir()  # the rules read its config only
     config = json.loads((tiny_model_dir / "config.json").read_text())
     (root / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    return {"t5_model": str(root / "t5"), "prequantized": str(root / "prequantized"), "tied_model": str(root / "tied")}
+    return {
+        "t5_model": str(root / "t5"),
+        "prequantized": str(root / "prequantized"),
+        "tied_model": str(root / "tied"),
+        "gemma2_model": str(tiny_gemma2_dir),
+    }
 
 
 def test_a_prequantized_4bit_base_validates_with_its_own_settings(odd_models, tmp_path, monkeypatch):

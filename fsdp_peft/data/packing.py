@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from fsdp_peft.attention import resolved_attention
+from fsdp_peft.attention import chosen_attention, model_class_named
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.errors import ConfigError
@@ -92,7 +92,8 @@ def data_collator(recipe: RecipeArguments, tokenizer):
     """The collator for `load_data`'s rows: padding with labels -100, or packed rows padded, or flattened into
     one row where the attention kernel runs variable-length sequences."""
     if recipe.packing:
-        if resolved_attention(recipe.attn_implementation) in VARLEN_KERNELS:
+        model_class = model_class_named(recipe.model_name_or_path, recipe.trust_remote_code)
+        if chosen_attention(recipe.attn_implementation, model_class) in VARLEN_KERNELS:
             return FlattenedCollator()
         return PackedCollator(tokenizer.pad_token_id)
     if on_xla():  # one shape, one compiled graph: XLA compiles again for every new batch shape
