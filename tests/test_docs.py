@@ -352,6 +352,10 @@ INSTEAD: dict[str, Run] = {
         "python benchmarks/variants.py --variants embedding_lora --methods qlora --versions 1",
         why="25 minutes: one variant the suite's combined runs leave out (QLoRA, embedding LoRA, FSDP1)",
     ),
+    "python benchmarks/exit_stress.py --repeat 6": Run(
+        "python benchmarks/exit_stress.py --only remote_code --repeat 1 --results exit_stress.json",
+        why="50 minutes: one configuration (2 ranks, a model with remote code) once, counted the same way",
+    ),
     "python benchmarks/activations.py": Run(
         "python benchmarks/activations.py --tokens 128 --vocab 4096",
         why="4 minutes: the same measurement and planner check on a 128-token, 4096-word shape",
