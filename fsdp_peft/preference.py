@@ -38,6 +38,7 @@ from fsdp_peft.recipe import (
     plot_loss_curve,
     start_training,
 )
+from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin
 from fsdp_peft.validation import KTO_LOSS_TYPES
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla
@@ -251,7 +252,7 @@ def shared_on_disk(dataset, training, name: str):
     """
     if dataset is None:
         return None
-    path = Path(training.output_dir) / ".preference_data" / name
+    path = Path(training.output_dir) / PREFERENCE_DATA_DIR / name
     with training.main_process_first(local=False, desc=f"{name} preference data"):
         if training.process_index == 0:
             dataset.save_to_disk(str(path))
@@ -301,7 +302,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
         callbacks=[before],
         recipe_config=dataclasses.asdict(recipe),
-        run_id=run.run_id,
+        run=run,
     )
     before.trainer = trainer
 

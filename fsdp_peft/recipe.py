@@ -2,6 +2,7 @@
 
 parse config → tokenizer and model → adapters → data → trainer → accuracy before → train → save
 adapter → evaluate → generate from the sharded model → report (summary, ``results.json``, loss curve).
+A start that fails before the first optimizer step leaves ``output_dir`` as it found it (`fsdp_peft.runs`).
 Recipes differ only in their default config (``configs/<recipe>/tiny.yaml``), so they share this one
 function; model families differ only in their entry in `fsdp_peft.families`.
 """
@@ -117,7 +118,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         loss_chunk_tokens=recipe.loss_chunk_tokens,
         callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
         recipe_config=dataclasses.asdict(recipe),
-        run_id=run.run_id,
+        run=run,
     )
     if recipe.init_lora_weights == "eva":  # data-driven init: after the adapters exist, before FSDP wraps them
         initialise_eva(trainer, recipe, resumed=checkpoint is not None)
