@@ -419,6 +419,42 @@ def broken_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
     return model
 
 
+def one_launcher_traceback(result: subprocess.CompletedProcess) -> bool:
+    """Only the launcher's own ``ChildFailedError`` traceback: no rank printed one."""
+    return result.stderr.count("Traceback (most recent call last)") == 1 and "[rank" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_row_stops_the_start_before_any_weights_load_and_leaves_output_dir_as_it_was(tmp_path, tiny_model_dir):
+    rows = (REPO / "fsdp_peft" / "assets" / "tiny_reverse" / "train.jsonl").read_text().splitlines()[:40]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join([*rows, '{"prompt": "reverse: abcde"}']) + "\n")
+    expected = [f"error: {data}: row 41: missing field 'completion'; fix the row or set skip_invalid_rows: true"]
+
+    # The weights cannot be read either: the row is what stops the start, so it was checked before they load.
+    fresh = tmp_path / "fresh"
+    broken = broken_model(tiny_model_dir, tmp_path)
+    result = run_command(
+        launch_command(
+            "--train_file", str(data), "--model_name_or_path", str(broken), *SHORT, "--output_dir", str(fresh)
+        )
+    )
+    assert result.returncode != 0 and error_lines(result) == expected and one_launcher_traceback(result)
+    assert not fresh.exists()
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the user's")
+    result = run_command(launch_command("--train_file", str(data), *SHORT, "--output_dir", str(kept)))
+    assert result.returncode != 0 and error_lines(result) == expected and one_launcher_traceback(result)
+    assert tree(kept) == {"notes.txt": b"the user's"}
+
+    data.write_text("\n".join(rows) + "\n")  # the row fixed, the same command trains
+    launch_recipe("llama_lora", "--train_file", str(data), *SHORT, "--output_dir", str(kept))
+    assert read_json(kept / "results.json")["steps"] == 2 and (kept / "notes.txt").read_text() == "the user's"
+    assert len(read_json(kept / RUN_FILE)["legs"]) == 1
+
+
 @pytest.mark.slow
 def test_a_model_that_fails_to_load_leaves_the_run_it_would_replace_intact(finished, tmp_path, tiny_model_dir):
     out = copy_of(finished, tmp_path)
