@@ -1,8 +1,9 @@
 """Preference tuning (DPO) through TRL's `DPOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
 
-parse config → tokenizer and model → adapters → preference data → trainer → held-out preference before →
-train → save adapter → held-out preference after → greedy generation → report. Checkpoints, resume,
-adapter saving and the CPU FSDP mode are `fsdp_peft.trainer.PeftFsdpMixin`'s, shared with SFT.
+parse config → claim output_dir → tokenizer → preference data (every row checked, before any weights load) →
+model and adapters → trainer → held-out preference before → train → save adapter → held-out preference after →
+greedy generation → report. The start (`fsdp_peft.recipe.start_training`), checkpoints, resume, adapter saving
+and the CPU FSDP mode are shared with SFT.
 
 The reference model is the policy itself with its adapter disabled: the same sharded base, no second
 copy (TRL would add a frozen "ref" copy of an adapter it did not create; `PreferenceTrainer` removes
@@ -34,10 +35,12 @@ from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.recipe import (
     LOSS_CURVE_FILE,
     last_logged,
+    model_with_adapters,
     parse_recipe_config,
     plot_loss_curve,
     start_training,
 )
+from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin
 from fsdp_peft.validation import KTO_LOSS_TYPES
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla
@@ -251,7 +254,7 @@ def shared_on_disk(dataset, training, name: str):
     """
     if dataset is None:
         return None
-    path = Path(training.output_dir) / ".preference_data" / name
+    path = Path(training.output_dir) / PREFERENCE_DATA_DIR / name
     with training.main_process_first(local=False, desc=f"{name} preference data"):
         if training.process_index == 0:
             dataset.save_to_disk(str(path))
@@ -283,9 +286,10 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
         sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}"
     )
     configure_for_training(training)
-    run, checkpoint, tokenizer, model = start_training(recipe, training)
+    run, checkpoint, tokenizer = start_training(recipe, training)
     unpaired = is_unpaired(recipe)
     train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
+    model = model_with_adapters(recipe, training, tokenizer)
     if recipe.precompute_ref_log_probs:
         train_data, eval_data = (
             shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))
@@ -301,7 +305,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
         fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
         callbacks=[before],
         recipe_config=dataclasses.asdict(recipe),
-        run_id=run.run_id,
+        run=run,
     )
     before.trainer = trainer
 

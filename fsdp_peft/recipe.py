@@ -1,7 +1,9 @@
 """The fine-tuning procedure every recipe runs, top to bottom.
 
-parse config → tokenizer and model → adapters → data → trainer → accuracy before → train → save
-adapter → evaluate → generate from the sharded model → report (summary, ``results.json``, loss curve).
+parse config → claim output_dir → tokenizer → data (every row checked, before any weights load) → model
+and adapters → trainer → accuracy before → train → save adapter → evaluate → generate from the sharded
+model → report (summary, ``results.json``, loss curve). A start that fails before the first optimizer step
+leaves ``output_dir`` as it found it (`fsdp_peft.runs`).
 Recipes differ only in their default config (``configs/<recipe>/tiny.yaml``), so they share this one
 function; model families differ only in their entry in `fsdp_peft.families`.
 """
@@ -75,9 +77,8 @@ def parse_recipe_config(
 
 
 def start_training(recipe: RecipeArguments, training: TrainingArguments):
-    """Claim the output directory, find and check the checkpoint to resume, warn of remote code, seed, then load
-    tokenizer and model with adapters: the start every recipe shares. Returns ``(run, checkpoint, tokenizer,
-    model)``."""
+    """Claim the output directory, find and check the checkpoint to resume, warn of remote code, load the
+    tokenizer: the start every recipe shares, before its data. Returns ``(run, checkpoint, tokenizer)``."""
     run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
     checkpoint = resume_point(training)
     if checkpoint is not None:
@@ -88,10 +89,14 @@ def start_training(recipe: RecipeArguments, training: TrainingArguments):
             f"trust_remote_code: true: running Python code from the repository of "
             f"{recipe.model_name_or_path} on every rank; only do this for a model whose code you trust"
         )
+    return run, checkpoint, load_tokenizer(recipe)
+
+
+def model_with_adapters(recipe: RecipeArguments, training: TrainingArguments, tokenizer):
+    """The base model, grown to the tokenizer's new tokens, with its adapters: loaded after the data, so that a
+    bad row stops the run before any weights load."""
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
-    tokenizer = load_tokenizer(recipe)
-    model = attach_lora(grow_vocabulary(load_base_model(recipe, training), tokenizer, recipe), recipe, training)
-    return run, checkpoint, tokenizer, model
+    return attach_lora(grow_vocabulary(load_base_model(recipe, training), tokenizer, recipe), recipe, training)
 
 
 def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
@@ -100,10 +105,11 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     if training.include_num_input_tokens_seen == "no":
         training.include_num_input_tokens_seen = "non_padding"  # the summary reports the tokens trained on
     configure_for_training(training)
-    run, checkpoint, tokenizer, model = start_training(recipe, training)
+    run, checkpoint, tokenizer = start_training(recipe, training)
+    train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
+    model = model_with_adapters(recipe, training, tokenizer)
     if recipe.packing:
         check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
-    train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
     samples = held_out[: recipe.generate_samples]
     before = ExactMatchBeforeTraining(tokenizer, samples, recipe)
     trainer = PeftFsdpTrainer(
@@ -117,7 +123,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         loss_chunk_tokens=recipe.loss_chunk_tokens,
         callbacks=[before, SamplesAtEvaluation(tokenizer, held_out[: recipe.generate_eval_samples], recipe)],
         recipe_config=dataclasses.asdict(recipe),
-        run_id=run.run_id,
+        run=run,
     )
     if recipe.init_lora_weights == "eva":  # data-driven init: after the adapters exist, before FSDP wraps them
         initialise_eva(trainer, recipe, resumed=checkpoint is not None)

@@ -35,6 +35,7 @@ from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
 from fsdp_peft.policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
+from fsdp_peft.runs import Run, RunBegins
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
     expose_generate,
@@ -58,16 +59,19 @@ class PeftFsdpMixin:
         fsdp_reduce_dtype: torch.dtype = torch.float32,
         loss_chunk_tokens: int = 0,
         recipe_config: dict | None = None,
-        run_id: str | None = None,
+        run: Run | None = None,
         callbacks=None,
         **kwargs,
     ):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
         self.loss_chunk_tokens = loss_chunk_tokens
         self.recipe_config = recipe_config or {}
-        self.run_id = run_id
-        # The layout report goes last: its forward hooks should only see training forwards.
-        super().__init__(*args, callbacks=[*(callbacks or []), MemoryReport(), FsdpLayoutReport()], **kwargs)
+        self.run_id = run.run_id if run is not None else None
+        # The run's start becomes final at its first optimizer step (fsdp_peft.runs); the layout report goes
+        # last: its forward hooks should only see training forwards.
+        begins = [RunBegins(run)] if run is not None else []
+        callbacks = [*begins, *(callbacks or []), MemoryReport(), FsdpLayoutReport()]
+        super().__init__(*args, callbacks=callbacks, **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if loss_chunk_tokens and (reason := chunked_loss_unavailable(causal_lm_of(self.model), self.args)):
@@ -147,12 +151,8 @@ class PeftFsdpMixin:
         return unwrap_xla_fsdp(self.accelerator.unwrap_model(self.model))
 
     def train(self, *args, **kwargs):
-        """Remove checkpoints a crash left half-written (hidden ``.checkpoint-N.partial``), then train."""
-        if self.args.should_save:
-            for stale in Path(self.args.output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial"):
-                logger.info(f"removing {stale}: an incomplete checkpoint left by an interrupted save")
-                shutil.rmtree(stale)
-        self.accelerator.wait_for_everyone()
+        """Trainer's training, with FSDP1 checkpoints that hold the adapter. (Checkpoints a crash left
+        half-written, hidden ``.checkpoint-N.partial``, are replaced by the run's start: `fsdp_peft.runs`.)"""
         adapter = getattr(self.model, "active_adapter", "default")
         with fsdp1_adapter_checkpoints(self.trainable_parameter_names, adapter):
             return super().train(*args, **kwargs)

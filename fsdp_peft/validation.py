@@ -32,7 +32,7 @@ from fsdp_peft.launch import (
     ranks,
 )
 from fsdp_peft.loading import low_memory_loading_requested
-from fsdp_peft.paths import checkpoint_quantization, local_model_config
+from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
@@ -167,12 +167,16 @@ def _model_config_is_a_causal_lm(recipe, training) -> str | None:
     name = recipe.model_name_or_path
     try:
         config = local_model_config(name, recipe.trust_remote_code)
-    except OSError:
-        return None  # not on this machine yet: loading it will tell
+    except OSError as error:
+        if not (Path(resolve_model_path(name)).expanduser() / "config.json").is_file():
+            return None  # not on this machine yet: loading it will tell
+        return (
+            f"model_name_or_path: the config of {name} does not load: {_first_line(error).rstrip('.')}; fix the "
+            "file or point model_name_or_path at a complete copy of the model"
+        )
     except ValueError as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         remote = "" if recipe.trust_remote_code else " (if its code lives in its hub repo: trust_remote_code: true)"
-        return f"model_name_or_path: the config of {name} does not load: {reason}{remote}"
+        return f"model_name_or_path: the config of {name} does not load: {_first_line(error)}{remote}"
     custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not custom:
         return (
@@ -180,6 +184,10 @@ def _model_config_is_a_causal_lm(recipe, training) -> str | None:
             "in transformers; the recipes fine-tune decoder-only (causal) language models"
         )
     return None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _positive_sizes(recipe, training) -> str | None:

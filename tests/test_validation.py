@@ -286,6 +286,22 @@ def test_a_prequantized_4bit_base_validates_with_its_own_settings(odd_models, tm
         parse_recipe_config([*argv, "--bnb_4bit_quant_type", "fp4"], QLORA_TINY, str(tmp_path))
 
 
+def test_a_model_config_that_does_not_parse_is_refused_before_any_run_starts(tmp_path, monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    model = tmp_path / "cut-short"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", ')  # a download cut short
+    argv = ["--config", str(LORA_TINY), "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(model)]
+    with pytest.raises(ConfigError) as error:
+        parse_recipe_config(argv, LORA_TINY, str(tmp_path / "out"))
+    assert str(error.value) == (
+        f"model_name_or_path: the config of {model} does not load: It looks like the config file at "
+        f"'{model / 'config.json'}' is not a valid JSON file; fix the file or point model_name_or_path at a "
+        "complete copy of the model"
+    )
+
+
 def test_every_rule_has_a_case():
     assert sorted(rule.__name__ for rule in RULES) == sorted(CASES)
 
