@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from packaging.version import Version
 from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
@@ -702,11 +703,6 @@ def process_groups_released() -> list[str]:
     else holds the group. tests/distributed/process_group_release_check.py shows both states.
     Remove when: ``destroy_process_group`` alone joins the threads of an FSDP2 run's group.
     """
-    if "torch.distributed.device_mesh" not in sys.modules:  # no mesh was ever made
-        return process_group_threads()
-    import gc
-
-    from torch.distributed.device_mesh import DeviceMesh
 
     gc.collect()  # the model and trainer of the run: reference cycles
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # type(): no __class__ lookups

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import difflib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,9 +154,7 @@ def release_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if still_running := process_groups_released():
-        from fsdp_peft.log import logger  # lazy: fsdp_peft.log reads this module's ranks
-
-        logger.warning(
+        logging.getLogger(__package__).warning(  # fsdp_peft.log's logger (that module reads this one's ranks)
             f"{len(still_running)} native threads of the process group outlived it ({', '.join(still_running)}): "
             "something still holds the group; the process may abort at exit"
         )
