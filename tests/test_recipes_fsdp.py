@@ -159,8 +159,8 @@ def test_training_matches_one_process_with_the_same_global_batch(run, tmp_path_f
     # each element's step by that element's own running RMS, so an element whose steps nearly cancel over the
     # run carries that rounding amplified. Relative to the tensor's largest element such an element measured
     # 2.5e-5 and 3.3e-5 on two CPUs (one with AVX512-BF16 kernels, one without: the figure follows the CPU's
-    # kernels, not the code), while every tensor as a whole agreed to within 1.8e-6 of its norm (FSDP1 and FSDP2). The norm is what "the same
-    # training" guarantees; the largest element is printed, not asserted.
+    # kernels, not the code), while every tensor as a whole agreed to within 1.8e-6 of its norm (FSDP1 and
+    # FSDP2). The norm is what "the same training" guarantees; the largest element is printed, not asserted.
     elementwise = max(((adapter[k] - v).abs().max() / v.abs().max()).item() for k, v in reference_adapter.items())
     frobenius = max(((adapter[k] - v).norm() / v.norm()).item() for k, v in reference_adapter.items())
     print(
