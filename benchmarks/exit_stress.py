@@ -168,35 +168,10 @@ def launch(configuration: Configuration, directory: Path, leg: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="launches of each configuration")
-    parser.add_argument("--only", nargs="*", choices=[c.name for c in CONFIGURATIONS], help="these configurations")
-    parser.add_argument("--work-dir", type=Path, help="where runs go (default: a temporary directory, kept on failure)")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("FSDP_PEFT_CACHE", tempfile.mkdtemp(prefix="fsdp_peft_cache_"))
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="exit_stress_"))
-    chosen = [c for c in CONFIGURATIONS if not args.only or c.name in args.only]
-    launches = []
-    for repeat in range(args.repeat):
-        for configuration in chosen:
-            directory = work / f"{configuration.name}-{repeat}"
-            directory.mkdir(parents=True)
-            for leg in range(configuration.legs):
-                record = launch(configuration, directory, leg)
-                launches.append(record)
-                failed = record["returncode"] != 0 or record["aborts"] or record["live_threads"]
-                print(
-                    f"{configuration.name:18} #{repeat} leg {leg}: exit {record['returncode']}, "
-                    f"{record['aborts']} aborts, {record['live_threads']} ranks with live threads, "
-                    f"{record['seconds']:.0f} s" + (f"  <- {directory}" if failed else ""),
-                    flush=True,
-                )
-                if not failed and leg == configuration.legs - 1:
-                    shutil.rmtree(directory)
+def summary_of(launches: list[dict], chosen: list[Configuration]) -> dict:
+    """Counts over ``launches`` so far, per configuration, and the launches that failed."""
     failures = [r for r in launches if r["returncode"] != 0 or r["aborts"] or r["live_threads"]]
-    summary = {
+    return {
         "launches": len(launches),
         "failed": len(failures),
         "aborts": sum(r["aborts"] for r in launches),
@@ -211,16 +186,47 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(sum(r["seconds"] for r in launches)),
         "failures": failures,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="launches of each configuration")
+    parser.add_argument("--only", nargs="*", choices=[c.name for c in CONFIGURATIONS], help="these configurations")
+    parser.add_argument("--work-dir", type=Path, help="where runs go (default: a temporary directory, kept on failure)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("FSDP_PEFT_CACHE", tempfile.mkdtemp(prefix="fsdp_peft_cache_"))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="exit_stress_"))
+    chosen = [c for c in CONFIGURATIONS if not args.only or c.name in args.only]
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(summary, indent=1) + "\n")
+    launches: list[dict] = []
+    for repeat in range(args.repeat):
+        for configuration in chosen:
+            directory = work / f"{configuration.name}-{repeat}"
+            directory.mkdir(parents=True)
+            for leg in range(configuration.legs):
+                record = launch(configuration, directory, leg)
+                launches.append(record)
+                failed = record["returncode"] != 0 or record["aborts"] or record["live_threads"]
+                print(
+                    f"{configuration.name:18} #{repeat} leg {leg}: exit {record['returncode']}, "
+                    f"{record['aborts']} aborts, {record['live_threads']} ranks with live threads, "
+                    f"{record['seconds']:.0f} s" + (f"  <- {directory}" if failed else ""),
+                    flush=True,
+                )
+                # after every launch: a stopped stress check still leaves its figures
+                args.results.write_text(json.dumps(summary_of(launches, chosen), indent=1) + "\n")
+                if not failed and leg == configuration.legs - 1:
+                    shutil.rmtree(directory)
+    summary = summary_of(launches, chosen)
     print(
         f"{summary['launches']} launches, {summary['failed']} failed, {summary['aborts']} aborts at exit, "
         f"{summary['ranks_with_live_threads']} ranks with process-group threads left at exit, "
         f"{summary['seconds']} s; {args.results}"
     )
-    if not failures and not args.work_dir:
+    if not summary["failures"] and not args.work_dir:
         shutil.rmtree(work)
-    return 1 if failures else 0
+    return 1 if summary["failures"] else 0
 
 
 if __name__ == "__main__":
