@@ -97,29 +97,11 @@ def accelerate_config(configuration: Configuration, directory: Path) -> Path:
 
 
 def remote_code_model(directory: Path) -> Path:
-    """The embedded Llama as a model whose code lives in its repository (as tests/test_runs.py builds it)."""
+    """The embedded Llama as a model whose code lives in its directory (as tests/test_runs.py builds it)."""
     from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.tiny import write_remote_code_copy
 
-    model = directory / "remote-code-llama"
-    shutil.copytree(tiny_model_path(), model)
-    (model / "configuration_nova.py").write_text(
-        "from transformers import LlamaConfig\n\n\nclass NovaConfig(LlamaConfig):\n    model_type = 'nova_llama'\n"
-    )
-    (model / "modeling_nova.py").write_text(
-        "from transformers import LlamaForCausalLM\n\nfrom .configuration_nova import NovaConfig\n\n\n"
-        "class NovaForCausalLM(LlamaForCausalLM):\n    config_class = NovaConfig\n"
-    )
-    config = json.loads((model / "config.json").read_text())
-    config.update(
-        model_type="nova_llama",
-        architectures=["NovaForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_nova.NovaConfig",
-            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM",
-        },
-    )
-    (model / "config.json").write_text(json.dumps(config))
-    return model
+    return write_remote_code_copy(tiny_model_path(), directory / "remote-code-llama")
 
 
 def allow_core_dumps() -> None:

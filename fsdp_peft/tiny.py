@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import string
 from pathlib import Path
 
@@ -257,3 +258,28 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def write_remote_code_copy(source: Path, destination: Path) -> Path:
+    """A copy of model ``source`` whose code lives in its directory (``NovaForCausalLM``, a Llama subclass, behind
+    ``auto_map``): a model that loads only with ``trust_remote_code``, for the tests and the exit-code stress
+    check. Returns ``destination``."""
+    shutil.copytree(source, destination)
+    (destination / "configuration_nova.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass NovaConfig(LlamaConfig):\n    model_type = 'nova_llama'\n"
+    )
+    (destination / "modeling_nova.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_nova import NovaConfig\n\n\n"
+        "class NovaForCausalLM(LlamaForCausalLM):\n    config_class = NovaConfig\n"
+    )
+    config = json.loads((destination / "config.json").read_text())
+    config.update(
+        model_type="nova_llama",
+        architectures=["NovaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_nova.NovaConfig",
+            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM",
+        },
+    )
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination

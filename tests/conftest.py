@@ -32,35 +32,47 @@ def tiny_model_dir(tiny_cache) -> Path:
     return tiny_model_path()
 
 
-@pytest.fixture(scope="session")
-def tiny_gemma2_dir(tmp_path_factory) -> Path:
-    """A tiny Gemma-2 (no family entry; no SDPA in transformers), random weights from the seed, the embedded
-    tokenizer: the architecture whose attention ``auto`` must run eager. Sliding window 32 < the tiny data's
-    64 tokens, and tied embeddings as in the real checkpoints."""
-    from transformers import AutoTokenizer, Gemma2Config
+def write_tiny_model(directory: Path, config_class, **architecture) -> Path:
+    """A 4-layer, width-128 model of ``config_class`` (``architecture``: its own keys) with the embedded tokenizer,
+    weights from the seed, written into ``directory``: a model with no family entry, for the generic path."""
+    from transformers import AutoTokenizer
 
     from fsdp_peft import tiny
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.TINY_MODEL_ASSETS)
-    config = Gemma2Config(
+    config = config_class(
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=32,
         max_position_embeddings=128,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **architecture,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny.write_checkpoint(directory, config, tokenizer)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma-2 (no family entry; no SDPA in transformers), random weights from the seed, the embedded
+    tokenizer: the architecture whose attention ``auto`` must run eager. Sliding window 32 < the tiny data's
+    64 tokens, and tied embeddings as in the real checkpoints."""
+    from transformers import Gemma2Config
+
+    return write_tiny_model(
+        tmp_path_factory.mktemp("gemma2"),
+        Gemma2Config,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=32,
         architectures=["Gemma2ForCausalLM"],
     )
-    model_dir = tmp_path_factory.mktemp("gemma2")
-    tiny.write_checkpoint(model_dir, config, tokenizer)
-    return model_dir
 
 
 def tiny_llama_in_4bit(tiny_model_dir: Path):

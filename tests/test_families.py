@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
 from fsdp_peft import paths, tiny
 from fsdp_peft.families import ATTENTION_AND_MLP, FAMILIES, GENERIC, family_for, lora_targets, pad_token_for
 from fsdp_peft.policies import decoder_layer_classes
@@ -89,26 +89,12 @@ def test_model_names_resolve_to_tiny_caches_including_moved_ones(tiny_cache):
 @pytest.mark.slow
 def test_a_model_with_no_family_entry_trains_through_the_generic_path(tmp_path, tiny_cache):
     """GPT-NeoX (fused query_key_value, dense_h_to_4h): units from _no_split_modules, LoRA on all linear layers."""
-    from transformers import AutoTokenizer, GPTNeoXConfig
+    from transformers import AutoConfig, GPTNeoXConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny.TINY_MODEL_ASSETS)
-    config = GPTNeoXConfig(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["GPTNeoXForCausalLM"],
+    model_dir = write_tiny_model(
+        tmp_path / "neox", GPTNeoXConfig, tie_word_embeddings=False, architectures=["GPTNeoXForCausalLM"]
     )
-    assert family_for(config.model_type) is GENERIC
-    model_dir = tmp_path / "neox"
-    model_dir.mkdir()
-    tiny.write_checkpoint(model_dir, config, tokenizer)
+    assert family_for(AutoConfig.from_pretrained(model_dir).model_type) is GENERIC
     out = tmp_path / "out"
     result = launch_recipe(
         "llama_lora",

@@ -23,6 +23,7 @@ import pytest
 from transformers import TrainingArguments
 
 from conftest import REPO, launch_recipe, read_json, recipe_launch_command, run_command
+from fsdp_peft import tiny
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.runs import LOCK_FILE, RUN_FILE, Run, begin_run, release_output_dir, start_run
 
@@ -224,25 +225,7 @@ def test_an_unknown_model_type_is_refused_alike_by_validate_and_the_recipe(tmp_p
 
 @pytest.mark.slow
 def test_a_model_whose_code_lives_in_its_repo_needs_trust_remote_code(tmp_path, tiny_model_dir):
-    model = tmp_path / "remote-code-llama"
-    shutil.copytree(tiny_model_dir, model)
-    (model / "configuration_nova.py").write_text(
-        "from transformers import LlamaConfig\n\n\nclass NovaConfig(LlamaConfig):\n    model_type = 'nova_llama'\n"
-    )
-    (model / "modeling_nova.py").write_text(
-        "from transformers import LlamaForCausalLM\n\nfrom .configuration_nova import NovaConfig\n\n\n"
-        "class NovaForCausalLM(LlamaForCausalLM):\n    config_class = NovaConfig\n"
-    )
-    config = json.loads((model / "config.json").read_text())
-    config.update(
-        model_type="nova_llama",
-        architectures=["NovaForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_nova.NovaConfig",
-            "AutoModelForCausalLM": "modeling_nova.NovaForCausalLM",
-        },
-    )
-    (model / "config.json").write_text(json.dumps(config))
+    model = tiny.write_remote_code_copy(tiny_model_dir, tmp_path / "remote-code-llama")
     recipe = tmp_path / "nova.yaml"
     recipe.write_text(f"include: {REPO / 'configs' / 'llama_lora' / 'tiny.yaml'}\nmodel_name_or_path: {model}\n")
 
