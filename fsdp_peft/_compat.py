@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -103,6 +104,13 @@ UPSTREAM: tuple[Upstream, ...] = (
         "fsdp_peft._compat.fsdp1_adapter_checkpoints",
         "the loading side of the same FSDP1 adapter checkpoints",
         "accelerate selects FSDP1 adapter tensors by unwrapped names",
+    ),
+    Upstream(
+        "peft.peft_model:PeftModel.__init__",
+        used_by="fsdp_peft._compat.peft_wrapped",
+        why="peft reads transformers' deprecated is_gradient_checkpointing (a FutureWarning on every run)",
+        remove_when="peft reads is_activation_checkpointing",
+        mentions=("is_gradient_checkpointing",),
     ),
     Upstream(
         "accelerate.accelerator:fsdp2_prepare_model",
@@ -683,6 +691,22 @@ def xla_fsdp_optimizer_created(trainer):
         yield
     finally:
         del trainer._wrap_model
+
+
+def peft_wrapped(model: torch.nn.Module, config, **kwargs):
+    """peft's ``get_peft_model(model, config, **kwargs)`` without the one FutureWarning it raises on every run.
+
+    Why: transformers 5.24 renamed ``is_gradient_checkpointing`` to ``is_activation_checkpointing`` and warns
+    on the old name; peft 0.21's ``PeftModel.__init__`` reads the old one, so every run printed
+    "`is_gradient_checkpointing` is deprecated" once per rank, a warning no user can act on.
+    Only that warning is silenced, only here; `UPSTREAM` checks that peft still reads the old name.
+    Remove when: peft reads ``is_activation_checkpointing``.
+    """
+    from peft import get_peft_model  # lazy: every command imports _compat; peft (and bitsandbytes) only model builders
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config, **kwargs)
 
 
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)

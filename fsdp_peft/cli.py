@@ -171,7 +171,6 @@ def main(argv: list[str] | None = None) -> None:
 def _add_model_commands(commands) -> None:
     """The commands that read configs and models (their parsers need torch and transformers)."""
     from fsdp_peft.config import GATHER_BUDGET_HELP  # lazy: ls/cp must not import torch
-    from fsdp_peft.export import OUTPUT_DTYPES  # lazy: ls/cp must not import torch
     from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES  # lazy: ls/cp must not import torch
 
     validate = commands.add_parser(
@@ -206,7 +205,9 @@ def _add_model_commands(commands) -> None:
     export.add_argument("source", type=Path, help="adapter directory, Trainer checkpoint, or training output_dir")
     export.add_argument("--out", type=Path, required=True, help="directory to create")
     export.add_argument("--base", help="base model (hub id or directory); default: the adapter's own")
-    export.add_argument("--dtype", default="bf16", choices=list(OUTPUT_DTYPES))
+    export.add_argument(
+        "--dtype", default="bf16", help="dtype of the merged weights: bf16, fp16 or fp32 (or bfloat16, ...)"
+    )
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
     export.add_argument(
         "--base-variant",

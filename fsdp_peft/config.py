@@ -29,6 +29,22 @@ from fsdp_peft.xla import on_xla
 from fsdp_peft.yaml_files import load_yaml_file
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_SHORT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # accepted wherever a dtype is named
+
+
+def dtype_named(text: str) -> str | None:
+    """The dtype ``text`` names (``float32`` or ``fp32``, any case) as in `DTYPES`; ``None`` when it names none."""
+    name = str(text).strip().lower()
+    name = DTYPE_SHORT_NAMES.get(name, name)
+    return name if name in DTYPES else None
+
+
+def short_dtype_name(text: str) -> str | None:
+    """The short name (``fp32``) of the dtype ``text`` names in either spelling; ``None`` when it names none."""
+    named = dtype_named(text)
+    return next((short for short, name in DTYPE_SHORT_NAMES.items() if name == named), None)
+
+
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
 
 
@@ -149,6 +165,15 @@ class RecipeArguments:
     ref_model: str | None = field(
         default=None, metadata={"help": "preference recipes: a separate reference model (not with LoRA: refused)"}
     )
+
+    def __post_init__(self):
+        # One dtype vocabulary: every dtype key takes float32 or fp32 (bfloat16 or bf16, ...), kept in one spelling
+        # each; what names no dtype stays as given, for validation to refuse by name.
+        self.torch_dtype = dtype_named(self.torch_dtype) or self.torch_dtype
+        self.bnb_4bit_compute_dtype = dtype_named(self.bnb_4bit_compute_dtype) or self.bnb_4bit_compute_dtype
+        self.bnb_4bit_quant_storage = dtype_named(self.bnb_4bit_quant_storage) or self.bnb_4bit_quant_storage
+        self.fsdp_reduce_dtype = dtype_named(self.fsdp_reduce_dtype) or self.fsdp_reduce_dtype
+        self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
 
 
 PREFERENCE_KEYS = ("beta", "loss_type", "precompute_ref_log_probs", "ref_model")  # a config that sets one is DPO's

@@ -40,6 +40,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from fsdp_peft._compat import peft_wrapped
+from fsdp_peft.config import short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
@@ -56,7 +58,7 @@ from fsdp_peft.safetensors_io import (
     read_tensors,
 )
 
-OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype, either spelling
 RECIPE_FILE = "fsdp_peft_recipe.json"
 BASE_FILE = "fsdp_peft_base.json"
 # The config fields that decide the base's tensor names and shapes (read where present, from the text
@@ -520,8 +522,10 @@ def export_merged(
     Every check runs before anything is written; only then are stale staging directories of ``out`` removed.
     """
     out = Path(out)
-    if dtype not in OUTPUT_DTYPES:
-        raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(OUTPUT_DTYPES)}")
+    short = short_dtype_name(dtype)
+    if short is None:
+        raise ConfigError(f"--dtype: {dtype!r} is not a dtype; use bf16, fp16 or fp32 (or bfloat16, float16, float32)")
+    dtype = short
     if base_variant not in ("exact", "nf4"):
         raise ConfigError(f"--base-variant: '{base_variant}' is not 'exact' or 'nf4'")
     if out.exists() and not overwrite:
@@ -615,7 +619,7 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
 
 def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_variant: str, dtype: str) -> str:
     """Reload the export and compare its logits with base + adapter (fp32) on a few prompts."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict  # lazy: only --verify needs peft
+    from peft import LoraConfig, set_peft_model_state_dict  # lazy: only --verify needs peft
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as above (model code)
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -630,7 +634,7 @@ def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_varian
                 if is_quantized_in_training(name, parameter):
                     parameter.copy_(nf4_round_trip(parameter, adapter.recipe))
     known = {k: v for k, v in adapter.config.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
-    reference = get_peft_model(reference, LoraConfig(**known))
+    reference = peft_wrapped(reference, LoraConfig(**known))
     set_peft_model_state_dict(reference, adapter.tensors)
     reference.eval()
     worst = 0.0

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import get_peft_config, get_peft_model, set_peft_model_state_dict
+from peft import get_peft_config, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
+from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
 from fsdp_peft.errors import ConfigError
@@ -100,7 +101,7 @@ def _tokenizer(tokenizer):
 def attach_trained_adapter(model, adapter):
     """Wrap ``model`` in the adapter's LoRA layers and load its tensors; every tensor must find its place."""
     config = get_peft_config({k: v for k, v in adapter.config.items() if k != "base_model_name_or_path"})
-    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    peft_model = peft_wrapped(model, config, autocast_adapter_dtype=False)
     result = set_peft_model_state_dict(peft_model, adapter.tensors)
     if result.unexpected_keys:
         raise ConfigError(

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from fsdp_peft._compat import process_groups_released
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.xla import on_xla, xla_fsdp_config
+from fsdp_peft.xla import XLA_KEYS, on_xla, xla_fsdp_config
 from fsdp_peft.yaml_files import load_yaml_file
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -65,7 +65,6 @@ ACCELERATE_SPELLINGS = {  # accelerate's key (``fsdp_`` prefix dropped) -> the t
     "transformer_cls_names_to_wrap": "transformer_layer_cls_to_wrap",
     "fsdp_version": "version",
 }
-TPU_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 LAUNCHER_VARIABLES = {  # fsdp_config key -> the variable `accelerate launch` exports for it
     "version": "FSDP_VERSION",
     "auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
@@ -170,6 +169,11 @@ def launcher_asks_for_fsdp() -> bool:
     return env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and "FSDP_VERSION" in env
 
 
+def truthy(value) -> bool:
+    """Whether ``value`` says yes in the words accelerate's settings take (true, 1, yes, on; any case)."""
+    return value is True or str(value).strip().lower() in TRUE_WORDS
+
+
 def _as_bool(value, key: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -261,11 +265,11 @@ def _canonical_fsdp_config(raw: dict) -> dict:
     for key, value in raw.items():
         name = str(key).removeprefix("fsdp_") if str(key) != "fsdp_version" else "version"
         name = ACCELERATE_SPELLINGS.get(name, name)
-        if name in TPU_KEYS and not value:
+        if name in XLA_KEYS and not value:
             continue  # the Trainer fills these in as false
-        if name in TPU_KEYS and on_xla():
+        if name in XLA_KEYS and on_xla():
             continue  # the Trainer's XLA FSDP route reads these: fsdp_peft.xla
-        if name in TPU_KEYS:
+        if name in XLA_KEYS:
             raise ConfigError(
                 f"fsdp_config: {key}: the PyTorch/XLA (TPU) FSDP route needs an XLA device; set PJRT_DEVICE=TPU "
                 "(docs/tpu.md), or remove the xla keys to use FSDP on GPUs (or the CPU mode)"
@@ -463,6 +467,15 @@ def fsdp_settings(training) -> FsdpSettings | None:
         activation_checkpointing=bool(values["activation_checkpointing"]),
         cpu_ram_efficient_loading=bool(values["cpu_ram_efficient_loading"]),
     )
+
+
+def fsdp_settings_for_rules(training: dict) -> FsdpSettings | None:
+    """`fsdp_settings` for the validation rules: ``None`` also when the settings do not resolve (the rule
+    ``_fsdp_settings_resolve`` reports that once; the others then have nothing to check)."""
+    try:
+        return fsdp_settings(training)
+    except ConfigError:
+        return None
 
 
 def trainer_values(args) -> dict:

@@ -6,7 +6,7 @@ import contextlib
 import os
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,6 +20,7 @@ from fsdp_peft._compat import (
     adapters_created_off_meta,
     cpu_weight_repacking_disabled,
     dora_lora_weight_without_graph,
+    peft_wrapped,
     trainable_tokens_through_the_base_layer,
 )
 from fsdp_peft.attention import architecture_problem, chosen_attention
@@ -124,7 +125,7 @@ def initialisation_checkpoint(recipe: RecipeArguments, path: str, training, devi
         path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
     )
     with adapters_created_off_meta():
-        targets = lora_linear_targets(get_peft_model(skeleton, lora_config(recipe, skeleton, shapes_only=True)))
+        targets = lora_linear_targets(peft_wrapped(skeleton, lora_config(recipe, skeleton, shapes_only=True)))
     return prepared_initialisation(recipe, path, targets, training.seed, device)
 
 
@@ -157,7 +158,7 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
-        peft_model = get_peft_model(model, config, autocast_adapter_dtype=keep_fp32)
+        peft_model = peft_wrapped(model, config, autocast_adapter_dtype=keep_fp32)
     if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
         dora_lora_weight_without_graph(peft_model)
     # trainable tokens (and new tokens' rows): the same values, the frozen embedding / head called (FSDP1 gathers it)

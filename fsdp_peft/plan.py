@@ -24,9 +24,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
@@ -36,7 +36,7 @@ from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import local_model_config, resolve_model_path
 from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
-from fsdp_peft.validation import mixed_precision_dtype
+from fsdp_peft.validation import layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import xla_plan
 
@@ -153,7 +153,7 @@ def meta_peft_model(model_config, recipe):
         if recipe.new_special_tokens:  # the grown embedding and head (and logits), their new rows trained
             grow_vocabulary(model, load_tokenizer(recipe), recipe)
             model_config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
-        return get_peft_model(model, lora_config(recipe, model, shapes_only=True))
+        return peft_wrapped(model, lora_config(recipe, model, shapes_only=True))
 
 
 def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[torch.nn.Parameter]]:
@@ -335,7 +335,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     if chosen_attention(recipe.attn_implementation, base_class) == "eager":
         which = "eager" if recipe.attn_implementation == "eager" else f"auto (eager for {base_class.__name__})"
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
-    checkpointing = bool(training.get("gradient_checkpointing")) or bool(settings and settings.activation_checkpointing)
+    checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
     preference = bool(set(PREFERENCE_KEYS) & read_yaml_config(Path(config_path)).keys())
@@ -415,7 +415,7 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
     if not plan.activation_checkpointing:
         checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
         saved = plan.gpu["activations (est.)"] - checkpointed
-        found.append({"switch": "gradient_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
+        found.append({"switch": "activation_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
     if not recipe.loss_chunk_tokens and not plan.fsdp.startswith("XLA") and not plan.preference:
         tokens, checkpointing = plan.tokens_per_rank, plan.activation_checkpointing
         chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=512)

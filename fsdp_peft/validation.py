@@ -24,12 +24,13 @@ from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.keys import field_types, key_problems, unknown_choice
 from fsdp_peft.launch import (
-    FsdpSettings,
     _fsdp_options,
     _read_fsdp_config,
     fsdp_settings,
+    fsdp_settings_for_rules,
     launcher_asks_for_fsdp,
     ranks,
+    truthy,
 )
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
@@ -47,20 +48,7 @@ GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
 
 def fsdp_in_use(training: dict) -> bool:
     """FSDP is on when the recipe sets ``fsdp`` or the accelerate launcher's config says FSDP."""
-    return _settings(training) is not None or launcher_asks_for_fsdp()
-
-
-def _settings(training: dict) -> FsdpSettings | None:
-    """The run's FSDP settings for the rules; ``None`` also when they do not resolve (`_fsdp_settings_resolve`
-    reports that)."""
-    try:
-        return fsdp_settings(training)
-    except ConfigError:
-        return None
-
-
-def _truthy(value) -> bool:
-    return str(value).lower() in ("1", "true", "yes")
+    return fsdp_settings_for_rules(training) is not None or launcher_asks_for_fsdp()
 
 
 def mixed_precision_dtype(training: dict) -> str | None:
@@ -211,7 +199,7 @@ def _gather_budget_is_a_size(recipe, training) -> str | None:
 
 
 def _fsdp_needs_several_processes(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     if settings is not None and "recipe" in settings.route and ranks().world_size < 2:
         return (
             "fsdp: set in the config, but this is a single process; launch with "
@@ -221,9 +209,18 @@ def _fsdp_needs_several_processes(recipe, training) -> str | None:
     return None
 
 
+# transformers 5.24's name of the switch that checkpoints every layer, and its deprecated alias (removed in v6)
+LAYER_CHECKPOINTING_KEYS = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def layer_checkpointing(training: dict) -> bool:
+    """Whether the recipe asks the Trainer to checkpoint every layer, under either name."""
+    return any(training.get(key) for key in LAYER_CHECKPOINTING_KEYS)
+
+
 def _one_activation_checkpointing(recipe, training) -> str | None:
-    settings = _settings(training)
-    for key in ("gradient_checkpointing", "activation_checkpointing"):  # transformers 5: two names, one switch
+    settings = fsdp_settings_for_rules(training)
+    for key in LAYER_CHECKPOINTING_KEYS:
         if settings and settings.activation_checkpointing and training.get(key):
             return (
                 f"{key}: true together with FSDP's own activation_checkpointing checkpoints every "
@@ -233,7 +230,7 @@ def _one_activation_checkpointing(recipe, training) -> str | None:
 
 
 def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     cpu_mode = not torch.accelerator.is_available()
     if settings and settings.version == 1 and settings.reshard_after_forward.startswith("hybrid") and cpu_mode:
         return (
@@ -275,7 +272,7 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
                 f"{key}: '{getattr(recipe, key)}' differs from the pre-quantized checkpoint {name} ('{want}'), "
                 f"whose own settings transformers uses; set {key}: {want}"
             )
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     if settings and settings.cpu_ram_efficient_loading:
         return (
             f"cpu_ram_efficient_loading: low-memory loading quantizes a 16-bit checkpoint as it reads it, and "
@@ -285,7 +282,7 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
 
 
 def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     if settings and training.get("save_only_model") and "SHARDED" in settings.state_dict_type:
         return (
             "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT (Trainer refuses it); "
@@ -295,7 +292,7 @@ def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
 
 
 def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     if settings and settings.version == 1 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
         mixing = "" if settings.use_orig_params else " with use_orig_params: false"
         return (
@@ -312,7 +309,7 @@ def _save_strategy(training: dict) -> str:
 
 
 def _fsdp2_size_based_wrap_shards_no_layer(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     if settings and settings.version == 2 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
         return (
             "auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate 1.15 shards every module above min_num_params, "
@@ -323,7 +320,7 @@ def _fsdp2_size_based_wrap_shards_no_layer(recipe, training) -> str | None:
 
 
 def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     strategy = _save_strategy(training)
     if settings and settings.version == 1 and strategy != "no" and "SHARDED" not in settings.state_dict_type:
         return (
@@ -335,7 +332,7 @@ def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
 
 
 def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     optimizer = str(training.get("optim") or "adamw_torch")
     if settings and settings.offload_params and any(mark in optimizer for mark in GPU_ONLY_OPTIMIZER_MARKS):
         return (
@@ -346,7 +343,7 @@ def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
 
 
 def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     cpu_mode = not torch.accelerator.is_available()
     if settings and settings.version == 1 and settings.cpu_ram_efficient_loading and cpu_mode:
         return (
@@ -358,7 +355,7 @@ def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
 
 def _checkpoints_are_finished_by_one_rank(recipe, training) -> str | None:
     strategy = _save_strategy(training)
-    if fsdp_in_use(training) and _truthy(training.get("save_on_each_node", False)) and strategy != "no":
+    if fsdp_in_use(training) and truthy(training.get("save_on_each_node", False)) and strategy != "no":
         return (
             "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint "
             "directory and one rank completes it, so the first rank of each node would complete it too (they "

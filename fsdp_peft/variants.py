@@ -15,9 +15,8 @@ import re
 
 import torch
 
-from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import unknown_choice
-from fsdp_peft.launch import FsdpSettings, fsdp_settings
+from fsdp_peft.launch import fsdp_settings_for_rules
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
 from fsdp_peft.paths import local_model_config, resolve_model_path
@@ -128,16 +127,8 @@ def targets_embedding(recipe) -> bool:
     return any(name in EMBEDDING_NAMES for name in recipe.lora_target_modules)
 
 
-def _settings(training: dict) -> FsdpSettings | None:
-    """The run's FSDP settings; ``None`` without FSDP or when they do not resolve (another rule says so)."""
-    try:
-        return fsdp_settings(training)
-    except ConfigError:
-        return None
-
-
 def _fsdp_version(training: dict) -> int | None:
-    settings = _settings(training)
+    settings = fsdp_settings_for_rules(training)
     return settings.version if settings is not None else None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import sys
+import warnings
 
 import pytest
 import torch
@@ -38,11 +39,29 @@ def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
         _compat.state_switched_to_fsdp,
         _compat.xla_fsdp_optimizer_created,
         _compat.process_groups_released,
+        _compat.peft_wrapped,
     ]
     for patch in patches:
         doc = inspect.getdoc(patch)
         assert "Why" in doc and "Remove when" in doc, patch.__name__
         assert any(patch.__name__ in entry.used_by for entry in UPSTREAM), patch.__name__
+
+
+def test_adapters_are_attached_without_the_deprecation_warning_peft_raises(tiny_model_dir):
+    """peft 0.21 reads transformers' deprecated ``is_gradient_checkpointing``: a FutureWarning on every run, once
+    per rank; `peft_wrapped` attaches the same adapters without it (and nothing else is silenced)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def warnings_of(attach) -> list[str]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            attach(model, LoraConfig(r=4, target_modules=["q_proj"]))
+        return [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+
+    assert any("is_gradient_checkpointing" in m for m in warnings_of(get_peft_model))  # upstream: remove when not
+    assert warnings_of(_compat.peft_wrapped) == []
 
 
 def test_a_renamed_symbol_is_named_in_one_line(monkeypatch):

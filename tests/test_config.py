@@ -28,6 +28,26 @@ def test_command_line_overrides_win_over_the_yaml(tmp_path):
     assert training.output_dir == str(tmp_path)
 
 
+def test_every_dtype_key_and_command_takes_both_spellings(tmp_path):
+    from fsdp_peft.export import export_merged
+
+    argv = ["--torch_dtype", "fp32", "--bnb_4bit_compute_dtype", "BF16", "--fsdp_reduce_dtype", "float32"]
+    recipe, _ = parse_recipe_config(
+        [*argv, "--export_dtype", "float16", "--output_dir", str(tmp_path)], QLORA_TINY, "x"
+    )
+    assert (recipe.torch_dtype, recipe.bnb_4bit_compute_dtype, recipe.fsdp_reduce_dtype) == (
+        "float32",
+        "bfloat16",
+        "float32",
+    )
+    assert recipe.export_dtype == "fp16"
+    with pytest.raises(ConfigError, match=r"^--dtype: 'float64' is not a dtype; use bf16, fp16 or fp32"):
+        export_merged(tmp_path / "missing", tmp_path / "out", dtype="float64")
+    with pytest.raises(ConfigError, match="^SOURCE: ") as refused:  # float32 passes the dtype check
+        export_merged(tmp_path / "missing", tmp_path / "out", dtype="float32")
+    assert "--dtype" not in str(refused.value)
+
+
 def test_yaml_strings_are_converted_to_the_field_type(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("learning_rate: 2e-4\nlora_dropout: '0.1'\nbf16: false\nlora_target_modules: [q_proj, v_proj]\n")

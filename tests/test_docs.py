@@ -548,8 +548,12 @@ def check(outcome: Outcome, documented: list[str]) -> None:
     elif "fsdp-peft generate" in command and "--json" in command:
         rows = [json.loads(line) for line in outcome.stdout.splitlines() if line.startswith("{")]
         assert [row["prompt"] for row in rows] == ["reverse: hello", "reverse: abcde"], outcome.stdout
-    elif "fsdp-peft generate" in command:
-        assert outcome.stdout.strip(), output[-3000:]
+    elif "fsdp-peft generate" in command and "--prompt " in command:  # one prompt: its completion, streamed
+        assert outcome.stdout.strip() and ">>> " not in outcome.stdout, output[-3000:]
+        assert re.search(r"\[fsdp-peft\] generating from ", outcome.stderr), output[-3000:]
+    elif "fsdp-peft generate" in command:  # prompts from a file or stdin: each prompt, then its completion
+        shown = re.findall(r"(?m)^>>> (.*)$", outcome.stdout)
+        assert shown == ["reverse: hello", "reverse: abcde"], output[-3000:]
     elif match := re.match(r"fsdp-peft export \S+ --out (\S+)", command):
         assert json.loads((workspace / match.group(1) / "config.json").read_text())["model_type"] == "llama"
     elif "bash configs/slurm/recipe.sbatch" in command:

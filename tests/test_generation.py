@@ -16,6 +16,7 @@ def report(tiny_model_dir):
 
 
 def test_every_budget_generates_the_unsharded_tokens(report):
+    assert {"all", "none"} < set(report["budgets"]) and len(report["reference"]) > 0  # and one budget in bytes
     for budget, run in report["budgets"].items():
         assert run["completions"] == report["reference"], budget
 

@@ -84,9 +84,9 @@ def test_activation_checkpointing_lowers_planned_activations_and_leaves_the_sugg
     checkpointed = plan_for(recipe_config(tmp_path, "qlora", max_seq_length=2048, gradient_checkpointing=True), 2)
     assert checkpointed.gpu["activations (est.)"] < plain.gpu["activations (est.)"]
     assert plain.gpu["activations (est.)"] - checkpointed.gpu["activations (est.)"] == next(
-        s["saves"] for s in plain.suggestions if s["switch"].startswith("gradient_checkpointing")
+        s["saves"] for s in plain.suggestions if s["switch"].startswith("activation_checkpointing")
     )
-    assert not any(s["switch"].startswith("gradient_checkpointing") for s in checkpointed.suggestions)
+    assert not any(s["switch"].startswith("activation_checkpointing") for s in checkpointed.suggestions)
 
 
 def test_plan_of_a_missing_config_is_a_one_line_error_with_exit_code_2(capsys, tmp_path):
@@ -113,7 +113,7 @@ def test_plan_that_does_not_fit_names_the_switches_and_exits_1(capsys, tmp_path)
     assert plan["gpu_total"] == sum(plan["gpu"].values()) > 4 * 2**30
     assert (
         plan["verdict"].startswith("does not fit in 4 GiB per GPU")
-        and "gradient_checkpointing: true" in plan["verdict"]
+        and "activation_checkpointing: true" in plan["verdict"]
     )
 
 

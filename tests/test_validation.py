@@ -8,9 +8,9 @@ import pytest
 
 from conftest import REPO, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.launch import fsdp_settings, trainer_values
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.validation import RULES
+from fsdp_peft.validation import RULES, config_problems
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -74,8 +74,8 @@ CASES = {
     "_dtype_keys_are_known": (
         LORA_TINY,
         {},
-        ["--fsdp_reduce_dtype", "fp32"],
-        "fsdp_reduce_dtype: 'fp32' is not one of",
+        ["--fsdp_reduce_dtype", "fp64"],
+        "fsdp_reduce_dtype: 'fp64' is not one of",
     ),
     "_data_files_exist": (
         LORA_TINY,
@@ -323,11 +323,15 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
 
 
 def test_the_shipped_defaults_pass_every_rule_under_both_fsdp_versions(monkeypatch, tmp_path):
-    for env in (ACCELERATE_FSDP1, ACCELERATE_FSDP2):
+    for version, env in ((1, ACCELERATE_FSDP1), (2, ACCELERATE_FSDP2)):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         for config in (QLORA_TINY, LORA_TINY):
-            parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path)], config, str(tmp_path))
+            recipe, training = parse_recipe_config(
+                ["--config", str(config), "--output_dir", str(tmp_path)], config, str(tmp_path)
+            )
+            assert fsdp_settings(training).version == version, config  # the launcher's FSDP was seen
+            assert config_problems(recipe, trainer_values(training)) == [], config
 
 
 def test_trainable_tokens_and_embedding_lora_pass_under_fsdp1_with_untied_embeddings(monkeypatch, tmp_path):
