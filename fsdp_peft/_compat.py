@@ -301,6 +301,45 @@ UPSTREAM: tuple[Upstream, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Patch:
+    """One patch function of this module, the upstream release window it was verified in, and (where a look at
+    upstream's code can tell) whether upstream still needs it."""
+
+    function: Callable
+    package: str
+    verified: tuple[str, str]  # (lowest verified, first unverified) release of ``package``
+    still_needed: Callable[[], bool] | None = None  # else a test of the patch's own shows upstream's behaviour
+
+    def window_problem(self) -> str | None:
+        installed = importlib.metadata.version(self.package)
+        lowest, unverified = self.verified
+        if Version(lowest) <= Version(Version(installed).base_version) < Version(unverified):
+            return None
+        return (
+            f"{self.package} {installed} is outside the versions fsdp_peft._compat.{self.function.__name__} was "
+            f"verified with ({lowest} to below {unverified}); install a verified one (pip install -e .), or set "
+            f"{UNVERIFIED_VARIABLE}=1 to try it"
+        )
+
+
+PATCHES: list[Patch] = []
+
+
+def patch(package: str, verified: tuple[str, str], still_needed: Callable[[], bool] | None = None):
+    """Register the decorated function in `PATCHES`: a patch of ``package`` verified on ``verified``."""
+
+    def register(function):
+        PATCHES.append(Patch(function, package, verified, still_needed))
+        return function
+
+    return register
+
+
+def _source_of(path: str) -> str:
+    return _source(_resolve(path))
+
+
 def _resolve(path: str):
     module_name, _, attributes = path.partition(":")
     value = importlib.import_module(module_name)
@@ -356,6 +395,8 @@ def _checked() -> bool:
     problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in verified_releases()]
     xla_environment = "torch_xla" in verified_releases()  # its torch is torch-xla's; it never runs torch FSDP
     problems += [upstream_problem(e) for e in UPSTREAM if not (xla_environment and e.package == "torch")]
+    if os.environ.get(UNVERIFIED_VARIABLE) != "1":
+        problems += [p.window_problem() for p in PATCHES if not (xla_environment and p.package == "torch")]
     problems = [problem for problem in problems if problem]
     if problems:
         raise CompatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
@@ -367,6 +408,11 @@ def check_upstream() -> None:
     _checked()
 
 
+@patch(
+    "transformers",
+    ("5.24.0", "5.25"),
+    still_needed=lambda: "update_fsdp_plugin_peft(" in _source_of("transformers.trainer:Trainer._prepare_for_training"),
+)
 @contextlib.contextmanager
 def trainer_peft_update_skipped():
     """Replaces ``transformers.trainer.update_fsdp_plugin_peft`` with a no-op while Trainer prepares the model.
@@ -386,6 +432,7 @@ def trainer_peft_update_skipped():
         transformers.trainer.update_fsdp_plugin_peft = original
 
 
+@patch("accelerate", ("1.15.0", "1.16"))
 @contextlib.contextmanager
 def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
     """Replaces accelerate's FSDP model-state selection and transformers' FSDP optimizer loading, for FSDP1
@@ -453,6 +500,7 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
         transformers.trainer.load_fsdp_optimizer = original_load_optimizer
 
 
+@patch("peft", ("0.21.2", "0.22"))
 @contextlib.contextmanager
 def adapters_created_off_meta():
     """Replaces peft's ``BaseTunerLayer._move_adapter_to_device_of_base_layer`` and ``LoraModel._replace_module``
@@ -508,6 +556,7 @@ def _adapter_tensors_off_meta(layer, adapter_name: str) -> None:
             container[adapter_name] = torch.nn.Parameter(empty, value.requires_grad) if trainable else empty
 
 
+@patch("accelerate", ("1.15.0", "1.16"))
 @contextlib.contextmanager
 def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
     """Replaces ``accelerate.accelerator.fsdp2_prepare_model`` by ``replacement(original)`` meanwhile.
@@ -528,6 +577,7 @@ def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
         accelerate_module.fsdp2_prepare_model = original
 
 
+@patch("peft", ("0.21.2", "0.22"))
 def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
     """Replaces ``get_lora_weight`` of every DoRA linear layer of ``model`` (on the instance) by the same
     computation under ``torch.no_grad()``; returns how many.
@@ -551,6 +601,7 @@ def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
     return patched
 
 
+@patch("peft", ("0.21.2", "0.22"))
 def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
     """Replaces ``forward_adapters`` of every trainable-token layer of ``model`` (on the instance) by one that
     calls the frozen embedding (or untied output head) and puts the trained rows over its output; returns how many.
@@ -632,6 +683,11 @@ def _without_grad(function: Callable) -> Callable:
     return wrapper
 
 
+@patch(
+    "bitsandbytes",
+    ("0.50.2", "0.51"),
+    still_needed=lambda: "support_avx512bf16_for_cpu" in _source_of("bitsandbytes.nn:Linear4bit.forward"),
+)
 def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
     """Sets bitsandbytes' ``Linear4bit.support_avx512bf16_for_cpu`` to False on every 4-bit layer; returns how many.
 
@@ -649,6 +705,7 @@ def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
     return changed
 
 
+@patch("accelerate", ("1.15.0", "1.16"))
 def state_switched_to_fsdp(state, fsdp_version: int) -> None:
     """Sets accelerate's ``distributed_type`` to FSDP in both the `AcceleratorState` and the shared
     ``PartialState._shared_state`` (every later ``AcceleratorState()`` re-copies the latter).
@@ -666,6 +723,7 @@ def state_switched_to_fsdp(state, fsdp_version: int) -> None:
             values["device"] = torch.device("cpu")
 
 
+@patch("transformers", ("5.24.0", "5.25"))
 @contextlib.contextmanager
 def xla_fsdp_optimizer_created(trainer):
     """Replaces ``trainer._wrap_model`` (on this instance) by one that, under XLA FSDP, creates the optimizer
@@ -693,6 +751,11 @@ def xla_fsdp_optimizer_created(trainer):
         del trainer._wrap_model
 
 
+@patch(
+    "peft",
+    ("0.21.2", "0.22"),
+    still_needed=lambda: "is_gradient_checkpointing" in _source_of("peft.peft_model:PeftModel.__init__"),
+)
 def peft_wrapped(model: torch.nn.Module, config, **kwargs):
     """peft's ``get_peft_model(model, config, **kwargs)`` without the one FutureWarning it raises on every run.
 
@@ -712,6 +775,7 @@ def peft_wrapped(model: torch.nn.Module, config, **kwargs):
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)
 
 
+@patch("torch", ("2.13.0", "2.14"))
 def process_groups_released() -> list[str]:
     """Drops what every `DeviceMesh` still holds of its process groups after ``destroy_process_group``, so that the
     groups are destructed (their native threads joined) now, while the interpreter is whole; returns the names of

@@ -20,6 +20,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_peft.catalog import shipped_config
+from fsdp_peft.dtypes import DTYPES, dtype_named, short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.keys import plain_value
@@ -27,23 +28,6 @@ from fsdp_peft.launch import trainer_fsdp_arguments
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.xla import on_xla
 from fsdp_peft.yaml_files import load_yaml_file
-
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_SHORT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # accepted wherever a dtype is named
-
-
-def dtype_named(text: str) -> str | None:
-    """The dtype ``text`` names (``float32`` or ``fp32``, any case) as in `DTYPES`; ``None`` when it names none."""
-    name = str(text).strip().lower()
-    name = DTYPE_SHORT_NAMES.get(name, name)
-    return name if name in DTYPES else None
-
-
-def short_dtype_name(text: str) -> str | None:
-    """The short name (``fp32``) of the dtype ``text`` names in either spelling; ``None`` when it names none."""
-    named = dtype_named(text)
-    return next((short for short, name in DTYPE_SHORT_NAMES.items() if name == named), None)
-
 
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
 

@@ -41,7 +41,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from fsdp_peft._compat import peft_wrapped
-from fsdp_peft.config import short_dtype_name
+from fsdp_peft.dtypes import short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger

@@ -19,6 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
+from fsdp_peft.dtypes import DTYPES
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
@@ -39,9 +40,6 @@ from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
 from fsdp_peft.variants import VARIANT_RULES
 from fsdp_peft.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
-
-FLOATING_DTYPES = ("float32", "bfloat16", "float16")
-
 
 GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
 
@@ -69,8 +67,8 @@ def fsdp_gather_dtype(recipe, training: dict) -> str:
 def _dtype_keys_are_known(recipe, training) -> str | None:
     for key in ("torch_dtype", "bnb_4bit_compute_dtype", "fsdp_reduce_dtype"):
         value = getattr(recipe, key)
-        if value not in FLOATING_DTYPES:
-            return unknown_choice(key, value, FLOATING_DTYPES)
+        if value not in DTYPES:
+            return unknown_choice(key, value, DTYPES)
     if recipe.export_dtype not in OUTPUT_DTYPES:
         return unknown_choice("export_dtype", recipe.export_dtype, tuple(OUTPUT_DTYPES))
     return None
@@ -87,7 +85,7 @@ def _fsdp_settings_resolve(recipe, training) -> str | None:
 def _quant_storage_is_floating_under_fsdp(recipe, training) -> str | None:
     if not recipe.load_in_4bit or not fsdp_in_use(training):
         return None
-    if recipe.bnb_4bit_quant_storage not in FLOATING_DTYPES:
+    if recipe.bnb_4bit_quant_storage not in DTYPES:
         return (
             f"bnb_4bit_quant_storage: '{recipe.bnb_4bit_quant_storage}' cannot be sharded by FSDP; "
             f"set it to {fsdp_gather_dtype(recipe, training)} (the FSDP gather dtype)"
@@ -96,7 +94,7 @@ def _quant_storage_is_floating_under_fsdp(recipe, training) -> str | None:
 
 
 def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
-    if not recipe.load_in_4bit or recipe.bnb_4bit_quant_storage not in FLOATING_DTYPES:
+    if not recipe.load_in_4bit or recipe.bnb_4bit_quant_storage not in DTYPES:
         return None
     gather = fsdp_gather_dtype(recipe, training)
     if recipe.bnb_4bit_quant_storage != gather:
@@ -260,7 +258,7 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
             "(or point it at the 16-bit original for LoRA)"
         )
     storage = str(saved.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    if storage not in FLOATING_DTYPES and fsdp_in_use(training):
+    if storage not in DTYPES and fsdp_in_use(training):
         return (
             f"model_name_or_path: {name} stores its 4-bit weights as {storage}, which FSDP cannot shard; quantize "
             "the 16-bit original on load instead (model_name_or_path: the original, load_in_4bit: true)"

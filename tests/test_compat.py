@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, last_json_line, run_command, torchrun
 from fsdp_peft import _compat
-from fsdp_peft._compat import UPSTREAM, VERIFIED, CompatError, upstream_problem, version_problem
+from fsdp_peft._compat import PATCHES, UPSTREAM, VERIFIED, CompatError, upstream_problem, version_problem
 
 
 @pytest.mark.parametrize("entry", UPSTREAM, ids=lambda e: e.path)
@@ -28,23 +28,43 @@ def test_installed_releases_are_the_verified_ones(package):
 
 
 def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
-    patches = [
-        _compat.trainer_peft_update_skipped,
-        _compat.fsdp1_adapter_checkpoints,
-        _compat.adapters_created_off_meta,
-        _compat.fsdp2_prepare_model_replaced,
-        _compat.cpu_weight_repacking_disabled,
-        _compat.dora_lora_weight_without_graph,
-        _compat.trainable_tokens_through_the_base_layer,
-        _compat.state_switched_to_fsdp,
-        _compat.xla_fsdp_optimizer_created,
-        _compat.process_groups_released,
-        _compat.peft_wrapped,
+    documented = [  # found, not listed: every function of the module whose docstring says when to remove it
+        value
+        for value in vars(_compat).values()
+        if callable(value)
+        and getattr(value, "__module__", "") == _compat.__name__
+        and "Remove when" in (inspect.getdoc(value) or "")
     ]
-    for patch in patches:
-        doc = inspect.getdoc(patch)
-        assert "Why" in doc and "Remove when" in doc, patch.__name__
-        assert any(patch.__name__ in entry.used_by for entry in UPSTREAM), patch.__name__
+    assert sorted(p.function.__name__ for p in PATCHES) == sorted(f.__name__ for f in documented)
+    for patch in PATCHES:
+        doc = inspect.getdoc(patch.function)
+        assert "Why" in doc and "Remove when" in doc, patch.function.__name__
+        assert any(patch.function.__name__ in entry.used_by for entry in UPSTREAM), patch.function.__name__
+        assert patch.window_problem() is None, patch.window_problem()  # the installed release is a verified one
+
+
+@pytest.mark.parametrize("patch", [p for p in PATCHES if p.still_needed], ids=lambda p: p.function.__name__)
+def test_upstream_still_needs_the_patch(patch):
+    """Fails once upstream's code no longer does what the patch works around: then remove the patch."""
+    assert patch.still_needed(), f"{patch.function.__name__}: upstream changed; see its 'Remove when'"
+
+
+def test_a_release_outside_a_patch_window_stops_start_up_in_one_line(monkeypatch):
+    patch = next(p for p in PATCHES if p.package == "peft")
+    narrowed = _compat.Patch(patch.function, patch.package, ("0.1.0", "0.2"))
+    problem = narrowed.window_problem()
+    assert problem.startswith(f"peft {importlib.metadata.version('peft')} is outside the versions ")
+    assert f"fsdp_peft._compat.{patch.function.__name__} was verified with (0.1.0 to below 0.2)" in problem
+    monkeypatch.setattr(_compat, "PATCHES", [narrowed])
+    _compat._checked.cache_clear()
+    try:
+        with pytest.raises(CompatError, match="is outside the versions fsdp_peft._compat."):
+            _compat.check_upstream()
+        monkeypatch.setenv(_compat.UNVERIFIED_VARIABLE, "1")
+        _compat._checked.cache_clear()
+        _compat.check_upstream()  # FSDP_PEFT_UNVERIFIED=1 lifts the windows as it lifts the version gate
+    finally:
+        _compat._checked.cache_clear()
 
 
 def test_adapters_are_attached_without_the_deprecation_warning_peft_raises(tiny_model_dir):
