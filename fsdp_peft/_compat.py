@@ -312,15 +312,7 @@ class Patch:
     still_needed: Callable[[], bool] | None = None  # else a test of the patch's own shows upstream's behaviour
 
     def window_problem(self) -> str | None:
-        installed = importlib.metadata.version(self.package)
-        lowest, unverified = self.verified
-        if Version(lowest) <= Version(Version(installed).base_version) < Version(unverified):
-            return None
-        return (
-            f"{self.package} {installed} is outside the versions fsdp_peft._compat.{self.function.__name__} was "
-            f"verified with ({lowest} to below {unverified}); install a verified one (pip install -e .), or set "
-            f"{UNVERIFIED_VARIABLE}=1 to try it"
-        )
+        return _window_problem(self.package, self.verified, f"fsdp_peft._compat.{self.function.__name__}")
 
 
 PATCHES: list[Patch] = []
@@ -379,23 +371,29 @@ def _source(value) -> str:
 
 
 def version_problem(package: str) -> str | None:
-    lowest, unverified = verified_releases()[package]
+    return _window_problem(package, verified_releases()[package], "fsdp-peft")
+
+
+def _window_problem(package: str, window: tuple[str, str], verified_by: str) -> str | None:
+    """One line when the installed ``package`` lies outside ``window`` (lowest verified, first unverified release),
+    which ``verified_by`` (fsdp-peft, or one of its patches) was verified in; else ``None``."""
+    lowest, unverified = window
     installed = importlib.metadata.version(package)
     release = Version(Version(installed).base_version)
     if Version(lowest) <= release < Version(unverified):
         return None
     return (
-        f"{package} {installed} is outside the versions fsdp-peft was verified with ({lowest} to below {unverified}); "
-        f"install a verified one (pip install -e .), or set {UNVERIFIED_VARIABLE}=1 to try it"
+        f"{package} {installed} is outside the versions {verified_by} was verified with ({lowest} to below "
+        f"{unverified}); install a verified one (pip install -e .), or set {UNVERIFIED_VARIABLE}=1 to try it"
     )
 
 
 @functools.cache
 def _checked() -> bool:
-    problems = [] if os.environ.get(UNVERIFIED_VARIABLE) == "1" else [version_problem(p) for p in verified_releases()]
     xla_environment = "torch_xla" in verified_releases()  # its torch is torch-xla's; it never runs torch FSDP
-    problems += [upstream_problem(e) for e in UPSTREAM if not (xla_environment and e.package == "torch")]
-    if os.environ.get(UNVERIFIED_VARIABLE) != "1":
+    problems = [upstream_problem(e) for e in UPSTREAM if not (xla_environment and e.package == "torch")]
+    if os.environ.get(UNVERIFIED_VARIABLE) != "1":  # lifts the release windows; the symbols are still checked
+        problems = [version_problem(p) for p in verified_releases()] + problems
         problems += [p.window_problem() for p in PATCHES if not (xla_environment and p.package == "torch")]
     problems = [problem for problem in problems if problem]
     if problems:

@@ -58,7 +58,7 @@ from fsdp_peft.safetensors_io import (
     read_tensors,
 )
 
-OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype, either spelling
+OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # by short name (dtypes.py)
 RECIPE_FILE = "fsdp_peft_recipe.json"
 BASE_FILE = "fsdp_peft_base.json"
 # The config fields that decide the base's tensor names and shapes (read where present, from the text

@@ -175,11 +175,9 @@ def truthy(value) -> bool:
 
 
 def _as_bool(value, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() in TRUE_WORDS:
+    if truthy(value):
         return True
-    if str(value).strip().lower() in FALSE_WORDS:
+    if value is False or str(value).strip().lower() in FALSE_WORDS:
         return False
     raise ConfigError(f"fsdp_config: {key}: expected true or false, got {value!r}")
 
