@@ -26,18 +26,14 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
+from fsdp_peft.ending import end_run
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import export_merged
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.launch import fsdp_settings
-from fsdp_peft.log import configure_for_training, logger
-from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.log import configure_for_training
 from fsdp_peft.recipe import (
-    LOSS_CURVE_FILE,
-    last_logged,
     model_with_adapters,
     parse_recipe_config,
-    plot_loss_curve,
     start_training,
 )
 from fsdp_peft.runs import PREFERENCE_DATA_DIR
@@ -310,81 +306,19 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     before.trainer = trainer
 
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    output_dir = Path(training.output_dir)
-    adapter_dir = trainer.save_adapter(output_dir / "adapter")
-    trainer.save_state()
-    pairs = held_out_pairs(trainer.eval_dataset, len(samples))
-    after = held_out_preference(
-        trainer, pairs, training.per_device_eval_batch_size, output_dir / "held_out_after.jsonl"
-    )
-    samples_path = output_dir / "samples.jsonl"
-    generation_after = generation_preference(
-        trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path
-    )
-    merged_dir = output_dir / "merged"
-    if recipe.export_merged and trainer.is_world_process_zero():
-        base = resolve_model_path(recipe.model_name_or_path)
-        export_merged(adapter_dir, merged_dir, base=base, dtype=recipe.export_dtype, overwrite=True, progress=False)
-    trainer.accelerator.wait_for_everyone()
-    if not trainer.is_world_process_zero():
-        return None
-    results = {
-        "recipe": name,
-        "train_loss": train_output.training_loss,
-        "loss_name": "KTO" if unpaired else "DPO",
-        "preference_before": before.metrics,
-        "preference_after": after,
-        "generation_before": before.generation,
-        "generation_after": generation_after,
-        "adapter_dir": str(adapter_dir),
-        "fsdp": trainer.is_fsdp_enabled,
-        "merged_dir": str(merged_dir) if recipe.export_merged else None,
-        "steps": trainer.state.global_step,
-        "train_seconds": train_output.metrics["train_runtime"],
-        "total_seconds": time.monotonic() - started,
-        "last_train_loss": last_logged(trainer.state.log_history, "loss"),
-        "loss_curve": plot_loss_curve(trainer.state.log_history, output_dir / LOSS_CURVE_FILE),
-    }
-    (output_dir / "results.json").write_text(json.dumps(results, indent=1))
-    for line in preference_summary(results, output_dir).splitlines():
-        logger.info(line)
-    return results
 
+    def measure(output_dir: Path) -> dict:
+        pairs = held_out_pairs(trainer.eval_dataset, len(samples))
+        batch_size = training.per_device_eval_batch_size
+        after = held_out_preference(trainer, pairs, batch_size, output_dir / "held_out_after.jsonl")
+        samples_path = output_dir / "samples.jsonl"
+        generation = generation_preference(trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path)
+        return {
+            "loss_name": "KTO" if unpaired else "DPO",
+            "preference_before": before.metrics,
+            "preference_after": after,
+            "generation_before": before.generation,
+            "generation_after": generation,
+        }
 
-def preference_summary(results: dict, output_dir: Path) -> str:
-    """The lines a user reads at the end of a preference run."""
-    last = "" if results["last_train_loss"] is None else f", last logged {results['last_train_loss']:.4f}"
-    lines = [
-        f"{results['recipe']}: {results['steps']} steps, {results['train_seconds']:.1f} s training "
-        f"({results['total_seconds']:.1f} s in all)",
-        f"{results['loss_name']} loss {results['train_loss']:.4f} (mean over the run){last}",
-    ]
-    before, after = results["preference_before"], results["preference_after"]
-    if after is not None:
-        lines.append(f"held-out pairs: {after['pairs']} (reward = beta x (policy - reference log-prob))")
-        for key, label in (
-            ("reward_accuracy", "reward accuracy (chosen reward higher; ties half)"),
-            ("margin", "reward margin (chosen - rejected)"),
-            ("logp_chosen", "log-prob of chosen"),
-            ("logp_rejected", "log-prob of rejected"),
-        ):
-            shown = "n/a (resumed)" if before is None else f"{before[key]:.3f}"
-            lines.append(f"  {label}: before {shown}, after {after[key]:.3f}")
-    gen_before, gen_after = results["generation_before"], results["generation_after"]
-    if gen_after is not None:
-        shown = "n/a (resumed)" if gen_before is None else _generation_text(gen_before)
-        lines.append(f"greedy generation on {gen_after['prompts']} held-out prompts, closer to chosen/rejected:")
-        lines.append(f"  before {shown}; after {_generation_text(gen_after)}")
-        lines.append(f"samples: {output_dir / 'samples.jsonl'}")
-    lines.append(f"adapter: {results['adapter_dir']}")
-    if results["merged_dir"]:
-        lines.append(f"merged full weights: {results['merged_dir']}")
-    lines.append(f"loss curve: {results['loss_curve'] or 'not drawn (no loss was logged: lower logging_steps)'}")
-    lines.append(f"results: {output_dir / 'results.json'}")
-    return "\n".join(lines)
-
-
-def _generation_text(generation: dict) -> str:
-    return (
-        f"{generation['chosen']:.3f} / {generation['rejected']:.3f} (exactly chosen {generation['exact_chosen']:.3f})"
-    )
+    return end_run(trainer, recipe, name, "preference", started, train_output, measure)

@@ -120,7 +120,7 @@ def test_resuming_from_an_xla_checkpoint_repeats_the_uninterrupted_losses(runs):
 def test_the_summary_on_xla_prints_the_same_lines_as_on_the_cpu(runs):
     def summary(output_dir: Path) -> list[str]:
         results = json.loads((output_dir / "results.json").read_text())
-        from fsdp_peft.recipe import summary as render
+        from fsdp_peft.ending import summary as render
 
         text = render(results, output_dir).replace(str(output_dir), "OUT")
         return [re.sub(r"\d+\.\d+", "N", line) for line in text.splitlines()]
