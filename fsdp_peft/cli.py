@@ -76,17 +76,13 @@ def _validate(args: argparse.Namespace) -> None:
         read_yaml_config,
         resolve_recipe_config,
     )
-    from fsdp_peft.validation import check_before_training  # lazy: ls/cp must not import torch
+    from fsdp_peft.validation import PREFERENCE, SFT, check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
+    preference = set(PREFERENCE_KEYS) & read_yaml_config(args.config).keys()  # a DPO/KTO config
     with _environment(launcher):
-        check_before_training(recipe, training_values, with_model_structure=True)
-        if set(PREFERENCE_KEYS) & read_yaml_config(args.config).keys():  # a DPO/KTO config: its trainers' refusals
-            from fsdp_peft.preference import preference_refusal  # lazy: trl, for preference configs only
-
-            if problem := preference_refusal(recipe, training_values):
-                raise ConfigError(problem)
+        check_before_training(recipe, training_values, True, PREFERENCE if preference else SFT)
     with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):
         build_training_arguments(training_values, options.config)
     print(f"{args.config}: ok" + (f" under {args.accelerate_config}" if args.accelerate_config else ""))

@@ -16,6 +16,7 @@ from typing import Callable
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.validation import PREFERENCE, SFT
 
 LOSS_CURVE_FILE = "loss_curve.png"
 RESULTS_FILE = "results.json"
@@ -80,7 +81,7 @@ def summary(results: dict, output_dir: Path) -> str:
         f"({results['total_seconds']:.1f} s in all)",
         f"{results.get('loss_name', 'train')} loss {results['train_loss']:.4f} (mean over the run){last}",
     ]
-    details = SUMMARY_DETAILS.get(results.get("procedure", "sft"))
+    details = SUMMARY_DETAILS.get(results.get("procedure", SFT))
     lines += details(results, output_dir) if details else []
     lines.append(f"adapter: {results['adapter_dir']}")
     if results["merged_dir"]:
@@ -136,7 +137,7 @@ def _closer_to(generation: dict) -> str:
 
 
 # ``results["procedure"]`` → the lines its summary prints between the loss line and the files
-SUMMARY_DETAILS: dict[str, Callable[[dict, Path], list[str]]] = {"sft": sft_details, "preference": preference_details}
+SUMMARY_DETAILS: dict[str, Callable[[dict, Path], list[str]]] = {SFT: sft_details, PREFERENCE: preference_details}
 
 
 def last_logged(log_history: list[dict], key: str) -> float | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,7 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.ending import end_run
-from fsdp_peft.errors import ConfigError
 from fsdp_peft.generation import GenerationSettings, generate_completions
-from fsdp_peft.launch import fsdp_settings
 from fsdp_peft.log import configure_for_training
 from fsdp_peft.recipe import (
     model_with_adapters,
@@ -38,8 +35,7 @@ from fsdp_peft.recipe import (
 )
 from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin
-from fsdp_peft.validation import KTO_LOSS_TYPES
-from fsdp_peft.xla import DEVICE_VARIABLE, on_xla
+from fsdp_peft.validation import KTO_LOSS_TYPES, PREFERENCE
 
 
 class ReferenceWithoutCopy:
@@ -91,56 +87,9 @@ def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
 
 
 def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
-    """Recipe arguments and TRL's ``DPOConfig``: the training keys plus the preference keys; what the
-    preference trainers cannot run is refused first (`preference_refusal`)."""
-    if on_xla():
-        raise ConfigError(preference_refusal(None, {}))
-    recipe, training = parse_recipe_config(argv, default_config, default_output_dir, preference_arguments)
-    if problem := preference_refusal(recipe, training):
-        raise ConfigError(problem)
-    return recipe, training
-
-
-def preference_refusal(recipe, training) -> str | None:
-    """Why the preference recipes refuse this run, in one line; ``None`` when they take it. ``training``: the
-    Trainer's arguments or the recipe's training keys (``fsdp-peft validate``). Read under the launch's
-    environment (the accelerate config's ``FSDP_*`` variables, ``PJRT_DEVICE``).
-
-    XLA: the TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only. FSDP1: TRL 1.16
-    computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused, chunked log-prob
-    head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for storage of size 0");
-    FSDP2 gathers the head's unit around the whole forward. QLoRA with gradient accumulation under FSDP:
-    measured 2026-12-01 (torch 2.13, trl 1.16), the second micro-step's backward fails inside FSDP2 with
-    "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine).
-    """
-    if on_xla():
-        return (
-            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
-            "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
-        )
-    if recipe is not None and recipe.init_lora_weights == "eva":
-        return (
-            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do "
-            "not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
-        )
-    settings = fsdp_settings(training)
-    if settings is not None and settings.version == 1:
-        return (
-            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
-            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
-        )
-    accumulation = (
-        training.get("gradient_accumulation_steps", 1)
-        if isinstance(training, dict)
-        else training.gradient_accumulation_steps
-    )
-    if settings is not None and recipe.load_in_4bit and int(accumulation or 1) > 1:
-        return (
-            f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
-            "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
-            "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
-        )
-    return None
+    """Recipe arguments and TRL's ``DPOConfig`` (or ``KTOConfig``): the training keys plus the preference keys,
+    checked by the rules that guard the preference procedure (`fsdp_peft.validation.RULES`)."""
+    return parse_recipe_config(argv, default_config, default_output_dir, preference_arguments, PREFERENCE)
 
 
 @torch.no_grad()
@@ -321,4 +270,4 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
             "generation_after": generation,
         }
 
-    return end_run(trainer, recipe, name, "preference", started, train_output, measure)
+    return end_run(trainer, recipe, name, PREFERENCE, started, train_output, measure)

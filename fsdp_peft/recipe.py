@@ -34,7 +34,7 @@ from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
-from fsdp_peft.validation import check_before_training
+from fsdp_peft.validation import SFT, check_before_training
 from fsdp_peft.xla import start_xla_runtime
 
 
@@ -59,11 +59,13 @@ def parse_recipe_config(
     default_config: Path,
     default_output_dir: str,
     arguments_for: Callable[[RecipeArguments], tuple[type[TrainingArguments], dict]] | None = None,
+    procedure: str = SFT,
 ) -> tuple[RecipeArguments, TrainingArguments]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments
-    (``TrainingArguments``, or the class and extra fields ``arguments_for`` picks for the recipe: TRL's configs)."""
+    (``TrainingArguments``, or the class and extra fields ``arguments_for`` picks for the recipe: TRL's configs),
+    checked by the rules that guard ``procedure``."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
-    check_before_training(recipe_args, training_values)
+    check_before_training(recipe_args, training_values, procedure=procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     arguments_class, extra = arguments_for(recipe_args) if arguments_for else (TrainingArguments, {})
     training_args = build_training_arguments(training_values, options.config, arguments_class, **extra)
@@ -143,7 +145,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
             "tokens": trainer.state.num_input_tokens_seen,
         }
 
-    return end_run(trainer, recipe, name, "sft", started, train_output, measure)
+    return end_run(trainer, recipe, name, SFT, started, train_output, measure)
 
 
 def resume_point(training) -> str | None:

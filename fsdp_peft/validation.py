@@ -1,7 +1,8 @@
 """Every rule a recipe config must satisfy, checked before any process group, model or data is touched.
 
-Each rule is a small function returning a problem message (key, value, rule, fix) or ``None``;
-`check_before_training` runs them all and reports every problem at once.
+Each rule is a small function returning a problem message (key, value, rule, fix) or ``None``. `RULES` is the
+one list of them, each with the procedures it guards (SFT, preference); `check_before_training` runs a
+procedure's rules for the recipe and for ``fsdp-peft validate`` alike, and reports every problem at once.
 """
 
 from __future__ import annotations
@@ -430,6 +431,51 @@ def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
     return None
 
 
+def _preference_runs_off_xla(recipe, training) -> str | None:
+    """The TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only."""
+    if on_xla():
+        return (
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
+            "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
+        )
+    return None
+
+
+def _preference_runs_without_eva(recipe, training) -> str | None:
+    if recipe.init_lora_weights == "eva":
+        return (
+            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do "
+            "not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
+        )
+    return None
+
+
+def _preference_runs_under_fsdp2(recipe, training) -> str | None:
+    """TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused,
+    chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for
+    storage of size 0"); FSDP2 gathers the head's unit around the whole forward."""
+    settings = fsdp_settings_for_rules(training)
+    if settings is not None and settings.version == 1:
+        return (
+            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
+            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+        )
+    return None
+
+
+def _preference_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
+    """Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
+    "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine)."""
+    accumulation = training.get("gradient_accumulation_steps", 1)
+    if recipe.load_in_4bit and int(accumulation or 1) > 1 and fsdp_settings_for_rules(training) is not None:
+        return (
+            f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
+            "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
+            "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
+        )
+    return None
+
+
 def _xla_route_can_run(recipe, training) -> str | None:
     """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only (no accelerate FSDP), torch_xla installed."""
     if not on_xla():
@@ -470,42 +516,50 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
     return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
 
 
-RULES: list[Callable] = [
-    _fsdp_settings_resolve,
-    _dtype_keys_are_known,
-    _quant_storage_is_floating_under_fsdp,
-    _quant_storage_matches_gather_dtype,
-    _data_files_exist,
-    _data_settings_are_known,
-    _local_model_path_exists,
-    _model_config_is_a_causal_lm,
-    _positive_sizes,
-    _gather_budget_is_a_size,
-    _fsdp_needs_several_processes,
-    _one_activation_checkpointing,
-    _hybrid_shard_shards_in_the_cpu_mode,
-    _prequantized_base_is_trainable,
-    _save_only_model_needs_full_state_dict,
-    _fsdp1_units_keep_adapters_apart,
-    _fsdp2_size_based_wrap_shards_no_layer,
-    _fsdp1_checkpoints_are_sharded,
-    _offload_needs_a_cpu_optimizer,
-    _cpu_mode_cannot_load_on_rank_0_only,
-    _checkpoints_are_finished_by_one_rank,
-    _parallelism_config_fills_the_launch,
-    _preference_loss_is_known,
-    _reference_is_the_adapter_disabled_model,
-    _precomputed_reference_sees_the_weights,
-    _xla_route_can_run,
-    *VARIANT_RULES,
-    _attention_kernel_runs_here,
-    _architecture_has_the_attention_kernel,
-]
+SFT, PREFERENCE = "sft", "preference"  # the procedures (`fsdp_peft.recipe`, `fsdp_peft.preference`)
+EVERY = (SFT, PREFERENCE)
+
+# Every rule, with the procedures it guards, in the order its problems are reported.
+RULES: dict[Callable, tuple[str, ...]] = {
+    _fsdp_settings_resolve: EVERY,
+    _dtype_keys_are_known: EVERY,
+    _quant_storage_is_floating_under_fsdp: EVERY,
+    _quant_storage_matches_gather_dtype: EVERY,
+    _data_files_exist: EVERY,
+    _data_settings_are_known: EVERY,
+    _local_model_path_exists: EVERY,
+    _model_config_is_a_causal_lm: EVERY,
+    _positive_sizes: EVERY,
+    _gather_budget_is_a_size: EVERY,
+    _fsdp_needs_several_processes: EVERY,
+    _one_activation_checkpointing: EVERY,
+    _hybrid_shard_shards_in_the_cpu_mode: EVERY,
+    _prequantized_base_is_trainable: EVERY,
+    _save_only_model_needs_full_state_dict: EVERY,
+    _fsdp1_units_keep_adapters_apart: EVERY,
+    _fsdp2_size_based_wrap_shards_no_layer: EVERY,
+    _fsdp1_checkpoints_are_sharded: EVERY,
+    _offload_needs_a_cpu_optimizer: EVERY,
+    _cpu_mode_cannot_load_on_rank_0_only: EVERY,
+    _checkpoints_are_finished_by_one_rank: EVERY,
+    _parallelism_config_fills_the_launch: EVERY,
+    _preference_loss_is_known: EVERY,
+    _reference_is_the_adapter_disabled_model: EVERY,
+    _precomputed_reference_sees_the_weights: EVERY,
+    _preference_runs_off_xla: (PREFERENCE,),
+    _preference_runs_without_eva: (PREFERENCE,),
+    _preference_runs_under_fsdp2: (PREFERENCE,),
+    _preference_qlora_does_not_accumulate_under_fsdp: (PREFERENCE,),
+    _xla_route_can_run: (SFT,),  # the preference recipes refuse XLA outright
+    **dict.fromkeys(VARIANT_RULES, EVERY),
+    _attention_kernel_runs_here: EVERY,
+    _architecture_has_the_attention_kernel: EVERY,
+}
 
 
-def config_problems(recipe, training: dict) -> list[str]:
-    """All problems found by the rules, in rule order."""
-    return [problem for rule in RULES if (problem := rule(recipe, training))]
+def config_problems(recipe, training: dict, procedure: str = SFT) -> list[str]:
+    """All problems found by the rules that guard ``procedure``, in rule order."""
+    return [problem for rule, guarded in RULES.items() if procedure in guarded and (problem := rule(recipe, training))]
 
 
 def model_structure_problems(recipe) -> list[str]:
@@ -538,9 +592,9 @@ def model_structure_problems(recipe) -> list[str]:
     return problems
 
 
-def check_before_training(recipe, training: dict, with_model_structure: bool = False) -> None:
-    """Raise one `ConfigError` listing every problem (one per line); ``with_model_structure`` also
-    checks the model's architecture (`model_structure_problems`).
+def check_before_training(recipe, training: dict, with_model_structure: bool = False, procedure: str = SFT) -> None:
+    """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line); ``with_model_structure``
+    also checks the model's architecture (`model_structure_problems`).
 
     Types, ranges and choices of single keys come first: the rules combine keys and assume well-formed ones.
     """
@@ -548,6 +602,7 @@ def check_before_training(recipe, training: dict, with_model_structure: bool = F
     problems = key_problems(values, field_types(type(recipe), TrainingArguments))
     if problems:
         raise ConfigError("\n       ".join(problems))
-    problems = config_problems(recipe, training) + (model_structure_problems(recipe) if with_model_structure else [])
+    problems = config_problems(recipe, training, procedure)
+    problems += model_structure_problems(recipe) if with_model_structure else []
     if problems:
         raise ConfigError("\n       ".join(problems))

@@ -16,9 +16,9 @@ from conftest import launch_recipe, read_json, run_command
 from fsdp_peft import cli
 from fsdp_peft.catalog import CONFIGS, RECIPES
 from fsdp_peft.config import read_yaml_config
+from fsdp_peft.ending import plot_loss_curve, summary
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, tiny_family
-from fsdp_peft.ending import plot_loss_curve, summary
 from fsdp_peft.recipe import parse_recipe_config
 
 # TPU configs (configs/<recipe>/tpu_*.yaml) run in the TPU environment: tests/xla/ checks them there.

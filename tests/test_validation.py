@@ -9,8 +9,9 @@ import pytest
 from conftest import REPO, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.preference import parse_preference_config
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.validation import RULES
+from fsdp_peft.validation import PREFERENCE, RULES, SFT, _preference_runs_without_eva
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -22,6 +23,7 @@ ACCELERATE_FSDP2 = {
 }
 ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
+RULE_NAMED = {rule.__name__: rule for rule in RULES}
 CASES = {
     "_xla_route_can_run": (
         QLORA_TINY,
@@ -175,6 +177,30 @@ CASES = {
         "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
         "cpu_ram_efficient_loading only rank 0 has weights then",
     ),
+    "_preference_runs_off_xla": (
+        DPO_TINY,
+        {"PJRT_DEVICE": "CPU"},
+        [],
+        "PJRT_DEVICE=CPU: the preference recipes do not run on XLA (TPU) yet; run them on GPUs or CPUs",
+    ),
+    "_preference_runs_without_eva": (
+        DPO_TINY,
+        {},
+        ["--init_lora_weights", "eva"],
+        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do not",
+    ),
+    "_preference_runs_under_fsdp2": (
+        DPO_TINY,
+        ACCELERATE_FSDP1,
+        [],
+        "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit",
+    ),
+    "_preference_qlora_does_not_accumulate_under_fsdp": (
+        DPO_TINY,
+        ACCELERATE_FSDP2,
+        ["--load_in_4bit", "true", "--bf16", "true", "--gradient_accumulation_steps", "2"],
+        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in the preference trainers' backward",
+    ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,
         ACCELERATE_FSDP2,
@@ -303,7 +329,17 @@ def test_a_model_config_that_does_not_parse_is_refused_before_any_run_starts(tmp
 
 
 def test_every_rule_has_a_case():
-    assert sorted(rule.__name__ for rule in RULES) == sorted(CASES)
+    assert sorted(RULE_NAMED) == sorted(CASES)
+
+
+def test_every_rule_guards_a_procedure_and_only_the_preference_refusals_skip_sft():
+    assert all(guarded and set(guarded) <= {SFT, PREFERENCE} for guarded in RULES.values())
+    assert [rule.__name__ for rule, guarded in RULES.items() if SFT not in guarded] == [
+        "_preference_runs_off_xla",
+        "_preference_runs_without_eva",
+        "_preference_runs_under_fsdp2",
+        "_preference_qlora_does_not_accumulate_under_fsdp",
+    ]
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
@@ -316,8 +352,9 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    procedure = parse_recipe_config if SFT in RULES[RULE_NAMED[rule]] else parse_preference_config
     with pytest.raises(ConfigError) as error:
-        parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
+        procedure(["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
     lines = str(error.value).split("\n")
     assert len(lines) == 1 and lines[0].startswith(message), str(error.value)
 
@@ -364,8 +401,6 @@ def test_pissa_olora_and_loftq_on_a_4bit_base_pass_and_loftq_must_fit_its_4_bits
 
 
 def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatch, tmp_path):
-    from fsdp_peft.preference import preference_refusal  # lazy: trl, for this one check
-
     base = ["--config", str(LORA_TINY), "--output_dir", str(tmp_path), "--init_lora_weights", "eva"]
     for env in (ACCELERATE_FSDP1, ACCELERATE_FSDP2):
         for key, value in env.items():
@@ -381,4 +416,4 @@ def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatc
     with pytest.raises(ConfigError, match=r"^init_lora_weights: eva on XLA \(PJRT_DEVICE=CPU\): its data pass is"):
         parse_recipe_config(base, LORA_TINY, str(tmp_path))
     monkeypatch.delenv("PJRT_DEVICE")
-    assert preference_refusal(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT")
+    assert _preference_runs_without_eva(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
