@@ -35,10 +35,10 @@ from fsdp_peft._compat import fsdp2_prepare_model_replaced
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.launch import fsdp_settings, ranks
 from fsdp_peft.log import logger
+from fsdp_peft.model_record import record_of
 from fsdp_peft.new_tokens import grown_checkpoint_tensor
 from fsdp_peft.safetensors_io import base_tensor_files, read_tensors
 
-PENDING = "_fsdp_peft_pending_checkpoint"  # set on a skeleton model: where its weights will come from
 CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names
 
 
@@ -66,7 +66,7 @@ def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None, trus
         _quantize_skeleton(model, quantization, dtype)
     with contextlib.suppress(OSError):
         model.generation_config = GenerationConfig.from_pretrained(path)
-    setattr(model, PENDING, str(path))
+    record_of(model).pending_checkpoint = str(path)
     return model.eval()  # from_pretrained returns eval-mode models
 
 
@@ -76,14 +76,15 @@ def _quantize_skeleton(model, quantization, dtype: torch.dtype) -> None:
 
     quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
     quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
-    for module in model.modules():
+    quantize = record_of(model).quantize
+    for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             template = module.weight
             shape = _packed_shape(template.shape, template.quant_storage)
             packed = torch.empty(shape, dtype=template.quant_storage, device="meta")
             settings = {k: v for k, v in template.__dict__.items() if k not in ("data", "quant_state", "bnb_quantized")}
             module.weight = bnb.nn.Params4bit(packed, requires_grad=False, bnb_quantized=True, **settings)
-            module._fsdp_peft_quantize = (settings, dtype)  # what rank 0 quantizes each weight with
+            quantize[name] = (settings, dtype)  # what rank 0 quantizes the weight with
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
 
@@ -95,8 +96,7 @@ def _packed_shape(shape: torch.Size, storage: torch.dtype) -> tuple[int, int]:
 
 def pending_checkpoint(model: torch.nn.Module) -> str | None:
     """The checkpoint a skeleton model still has to receive, if any (also through a PEFT wrapper)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, PENDING, None)
+    return record_of(model).pending_checkpoint
 
 
 def checkpoint_key(name: str) -> str:
@@ -120,7 +120,8 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
     # rank 0 alone looks at the checkpoint; every rank learns its plan (or its problem) from it
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tied = set(getattr(base, "all_tied_weights_keys", None) or {})  # re-tied after loading, not read
-    box = [reading_plan(pending_checkpoint(model), missing, tied) if rank == 0 else None]
+    record = record_of(model)
+    box = [reading_plan(record.pending_checkpoint, missing, tied) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise ConfigError(box[0])
@@ -134,7 +135,7 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
         for name in names:
             target = missing[name]
             module = modules[name.rpartition(".")[0]]
-            quantize = getattr(module, "_fsdp_peft_quantize", None)
+            quantize = record.quantize.get(checkpoint_key(name).rpartition(".")[0])
             full = None
             if rank == 0:
                 _, tensor = next(stream)
@@ -156,7 +157,7 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
     model.load_state_dict(loaded, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    delattr(base, PENDING)
+    record.pending_checkpoint = None
     return len(loaded)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.new_tokens import NewTokens, with_new_rows
+from fsdp_peft.model_record import NewTokens
+from fsdp_peft.new_tokens import with_new_rows
 
 FROM_BASE_WEIGHTS = ("pissa", "olora", "loftq")  # initialisations that read (and change) the base weights
 
@@ -110,7 +111,10 @@ def adapter_updates(
         if match := re.fullmatch(r"(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key):
             update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
             update.embedding = match[2].startswith("embedding")
-            setattr(update, "lora_a" if match[2].endswith("A") else "lora_b", tensor)
+            if match[2].endswith("A"):
+                update.lora_a = tensor
+            else:
+                update.lora_b = tensor
         elif match := re.fullmatch(r"(.+)\.lora_magnitude_vector(?:\.weight)?", key):
             updates.setdefault(f"{match[1]}.weight", WeightUpdate()).magnitude = tensor
         elif match := re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key):

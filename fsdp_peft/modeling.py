@@ -1,4 +1,8 @@
-"""Model loading: tokenizer, base model (optionally 4-bit), and LoRA adapters, ready for FSDP."""
+"""The model build: tokenizer, base model (optionally 4-bit), grown vocabulary and LoRA adapters, ready for FSDP.
+
+`build_model` is the whole procedure, top to bottom; what it decides that later steps read (low-memory
+loading, 4-bit settings, an initial adapter, new tokens) is one record, `fsdp_peft.model_record.ModelRecord`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from transformers import (
     BitsAndBytesConfig,
     PreTrainedModel,
     TrainingArguments,
+    set_seed,
 )
 
 from fsdp_peft._compat import (
@@ -28,10 +33,10 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
-from fsdp_peft.new_tokens import add_new_tokens, trained_token_indices
+from fsdp_peft.model_record import record_of
+from fsdp_peft.new_tokens import add_new_tokens, grow_vocabulary, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.residual import (
-    INITIAL_ADAPTER_SOURCE,
     init_computed_before_loading,
     lora_linear_targets,
     prepared_initialisation,
@@ -43,6 +48,22 @@ from fsdp_peft.variants import (
     remember_initial_adapter,
     trained_copies_compute_in_the_model_dtype,
 )
+
+
+def build_model(recipe: RecipeArguments, training: TrainingArguments, tokenizer):
+    """The model a run trains: a `PeftModel` on this rank's device (or a low-memory skeleton FSDP fills).
+
+    1. the initialisation that needs the base weights (PiSSA/OLoRA/LoftQ on a 4-bit or low-memory base: a residual
+       checkpoint and its initial adapter, computed once; `fsdp_peft.residual`) and 2. the base model, loaded or a
+       weightless skeleton, with its attention kernel (`load_base_model`);
+    3. the vocabulary grown to the tokenizer's new tokens (``tokenizer``: `load_tokenizer`; `fsdp_peft.new_tokens`);
+    4. the adapters, 5. the compat patches that keep them FSDP-safe, 6. the initial adapter, 7. the trainable
+       parameters' dtypes (`attach_lora`).
+    """
+    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
+    base = load_base_model(recipe, training)
+    grow_vocabulary(base, tokenizer, recipe)
+    return attach_lora(base, recipe, training)
 
 
 def local_device() -> torch.device:
@@ -114,8 +135,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
         model.set_attn_implementation(attention)
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
-    if initial_adapter is not None:
-        setattr(model, INITIAL_ADAPTER_SOURCE, initial_adapter)
+    record_of(model).initial_adapter_file = initial_adapter
     return model
 
 
@@ -153,7 +173,7 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     Adapter weights stay in fp32 (master weights) when a bf16/fp16 mixed-precision policy casts them for
     compute; without one they take the base dtype, so an FSDP unit never mixes parameter dtypes.
     """
-    initial_adapter = getattr(model, INITIAL_ADAPTER_SOURCE, None)  # computed before loading: set after creation
+    initial_adapter = record_of(model).initial_adapter_file  # computed before loading: set after creation
     config = lora_config(recipe, model, shapes_only=initial_adapter is not None)
     keep_fp32 = mixed_precision_dtype({"bf16": training.bf16, "fp16": training.fp16}) is not None
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same

@@ -14,15 +14,14 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.model_record import NewTokens, record_of
 
 NEW_TOKENS_FILE = "fsdp_peft_new_tokens.json"
-ATTRIBUTE = "_fsdp_peft_new_tokens"  # set on the base model by `grow_vocabulary`
 TOKENIZER_FILES = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -33,24 +32,6 @@ TOKENIZER_FILES = (
     "*.model",
     "*.tiktoken",
 )
-
-
-@dataclass
-class NewTokens:
-    """What growing the vocabulary did: the tokens, their ids, the base's rows and the grown rows, the trained
-    modules (peft target names) and the grown tensors (checkpoint keys)."""
-
-    tokens: list[str]
-    ids: list[int]
-    base_rows: int
-    rows: int
-    embedding: str
-    head: str | None
-    grown: list[str]
-    tokenizer: object = field(default=None, repr=False, compare=False)
-
-    def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items() if k != "tokenizer"}, indent=1)
 
 
 def add_new_tokens(tokenizer, tokens: list[str]) -> list[int]:
@@ -118,14 +99,13 @@ def grow_vocabulary(model, tokenizer, recipe):
         grown=[f"{name}.weight" for name in names],
         tokenizer=tokenizer,
     )
-    setattr(model, ATTRIBUTE, record)
+    record_of(model).new_tokens = record
     return model
 
 
 def new_tokens_of(model) -> NewTokens | None:
     """The growth `grow_vocabulary` recorded on ``model`` (a peft model or its base), if any."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, ATTRIBUTE, None)
+    return record_of(model).new_tokens
 
 
 def trained_token_indices(model, indices: list[int]):
@@ -144,7 +124,7 @@ def config_before_growth(model):
     """The base model's config as the base checkpoint states it (vocabulary size before growth): what an adapter
     records of its base, so that export and generate find the base it was trained on."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    new = getattr(base, ATTRIBUTE, None)
+    new = new_tokens_of(model)
     if new is None:
         return base.config
     config = copy.deepcopy(base.config)

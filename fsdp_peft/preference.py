@@ -28,8 +28,8 @@ from fsdp_peft.data.preference import PreferenceExample, load_preference_data, r
 from fsdp_peft.ending import end_run
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import configure_for_training
+from fsdp_peft.modeling import build_model
 from fsdp_peft.recipe import (
-    model_with_adapters,
     parse_recipe_config,
     start_training,
 )
@@ -234,7 +234,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
     run, checkpoint, tokenizer = start_training(recipe, training)
     unpaired = is_unpaired(recipe)
     train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
-    model = model_with_adapters(recipe, training, tokenizer)
+    model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights load
     if recipe.precompute_ref_log_probs:
         train_data, eval_data = (
             shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))

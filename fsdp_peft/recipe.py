@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import TrainingArguments, set_seed
+from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_peft._compat import check_upstream
@@ -30,8 +30,7 @@ from fsdp_peft.eva import initialise_eva
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.launch import ranks, release_process_group, trainer_fsdp_arguments
 from fsdp_peft.log import configure_for_training, logger
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
-from fsdp_peft.new_tokens import grow_vocabulary
+from fsdp_peft.modeling import build_model, load_tokenizer
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 from fsdp_peft.validation import SFT, check_before_training
@@ -92,13 +91,6 @@ def start_training(recipe: RecipeArguments, training: TrainingArguments):
     return run, checkpoint, load_tokenizer(recipe)
 
 
-def model_with_adapters(recipe: RecipeArguments, training: TrainingArguments, tokenizer):
-    """The base model, grown to the tokenizer's new tokens, with its adapters: loaded after the data, so that a
-    bad row stops the run before any weights load."""
-    set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
-    return attach_lora(grow_vocabulary(load_base_model(recipe, training), tokenizer, recipe), recipe, training)
-
-
 def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
     started = time.monotonic()
     recipe, training = parse_recipe_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
@@ -107,7 +99,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
     configure_for_training(training)
     run, checkpoint, tokenizer = start_training(recipe, training)
     train_data, eval_data, held_out = load_data(recipe, tokenizer, training)
-    model = model_with_adapters(recipe, training, tokenizer)
+    model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights load
     if recipe.packing:
         check_packing_keeps_examples_apart(model)  # packed examples must not attend to each other
     samples = held_out[: recipe.generate_samples]

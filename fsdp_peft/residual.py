@@ -43,6 +43,7 @@ from fsdp_peft.fsdp import gathered_from_every_rank
 from fsdp_peft.launch import ranks
 from fsdp_peft.loading import checkpoint_key, low_memory_loading_requested
 from fsdp_peft.log import logger
+from fsdp_peft.model_record import record_of
 from fsdp_peft.paths import cache_dir
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -55,7 +56,6 @@ from fsdp_peft.variants import init_reads_base_weights
 
 RESIDUAL_VERSION = 1  # bump when the same inputs give another residual or initial adapter
 INITIAL_ADAPTER = "initial_adapter.safetensors"
-INITIAL_ADAPTER_SOURCE = "_fsdp_peft_initial_adapter_file"  # set on a base model loaded from a residual checkpoint
 ADAPTER = "default"
 
 
@@ -79,14 +79,14 @@ class Target:
 
 def lora_linear_targets(skeleton_peft_model) -> list[Target]:
     """peft's own target resolution (patterns included), read from the adapters it put on a weightless model."""
-    targets = []
+    targets, quantized = [], record_of(skeleton_peft_model).quantize
     for name, module in skeleton_peft_model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
             continue
         base = module.get_base_layer()
         if not isinstance(base, torch.nn.Linear):  # bitsandbytes' Linear4bit is one
             continue
-        quantize = getattr(base, "_fsdp_peft_quantize", None)
+        quantize = quantized.get(checkpoint_key(name))
         targets.append(
             Target(
                 checkpoint_key(name), module.r[ADAPTER], module.lora_alpha[ADAPTER], module.scaling[ADAPTER], quantize

@@ -19,6 +19,7 @@ from fsdp_peft.keys import unknown_choice
 from fsdp_peft.launch import fsdp_settings_for_rules
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
+from fsdp_peft.model_record import record_of
 from fsdp_peft.paths import local_model_config, resolve_model_path
 
 INIT_CHOICES = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "eva")
@@ -84,7 +85,7 @@ def peft_adapter_tensors(peft_model, state_dict: dict[str, torch.Tensor]) -> dic
     reads); for PiSSA/OLoRA, converted onto the original base (`remember_initial_adapter`)."""
     adapter = peft_model.active_adapter
     tensors = {peft_name(name, adapter): tensor for name, tensor in state_dict.items()}
-    initial = getattr(peft_model, INITIAL_ADAPTER, None)
+    initial = record_of(peft_model).initial_adapter
     if initial is not None:  # PiSSA/OLoRA changed the base: save the update relative to the original base
         for name, start in initial.items():
             name = peft_name(name, adapter)
@@ -95,23 +96,20 @@ def peft_adapter_tensors(peft_model, state_dict: dict[str, torch.Tensor]) -> dic
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
-INITIAL_ADAPTER = "fsdp_peft_initial_adapter"
-
-
 def remember_initial_adapter(peft_model, recipe) -> None:
     """PiSSA and OLoRA move ``scale * B0 @ A0`` out of the base weights (LoftQ: the 4-bit base is about
     ``W - scale * B0 @ A0``): keep the initial A0, B0 (adapter-sized) so the saved adapter can be peft's own
     conversion to a plain LoRA of rank 2r on the original base."""
     if init_reads_base_weights(recipe.init_lora_weights):
         initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" in n}
-        setattr(peft_model, INITIAL_ADAPTER, initial)
+        record_of(peft_model).initial_adapter = initial
 
 
 def converted_adapter_config(peft_model):
     """The adapter config to save: for PiSSA/OLoRA, peft's conversion (``save_pretrained(...,
     path_initial_model_for_weight_conversion=...)``): rank and patterns doubled, the scale kept."""
     config = peft_model.peft_config[peft_model.active_adapter]
-    if getattr(peft_model, INITIAL_ADAPTER, None) is None:
+    if record_of(peft_model).initial_adapter is None:
         return config
     config = copy.deepcopy(config)
     config.init_lora_weights = True

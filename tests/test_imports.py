@@ -118,3 +118,20 @@ def test_every_import_inside_a_function_says_why_it_is_deferred():
     print(f"{len(found)} imports inside functions")
     unexplained = [f"{file}:{line}: {source.strip()}" for file, line, source in found if not LAZY_REASON.search(source)]
     assert not unexplained, "imports inside functions without a '# lazy: <why>' comment:\n" + "\n".join(unexplained)
+
+
+def test_the_model_record_is_the_only_state_set_on_models_by_name():
+    """What the model build decides travels in `fsdp_peft.model_record.ModelRecord`: outside that module no
+    ``setattr``/``delattr`` with a name, and no ``_fsdp_peft_*`` attribute assigned (the compat module patches
+    upstream classes, and is the one other place allowed to)."""
+    allowed = {"fsdp_peft.model_record", "fsdp_peft._compat"}
+    found = []
+    for name, path in MODULES.items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr")
+            assigned = isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            if called or (assigned and node.attr.startswith("_fsdp_peft")):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == []

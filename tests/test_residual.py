@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, set_seed
 from conftest import REPO
 from fsdp_peft.export import export_merged
 from fsdp_peft.inference import load_for_generation
+from fsdp_peft.model_record import record_of
 from fsdp_peft.modeling import attach_lora, load_base_model
 from fsdp_peft.paths import cache_dir
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.residual import INITIAL_ADAPTER, INITIAL_ADAPTER_SOURCE
+from fsdp_peft.residual import INITIAL_ADAPTER
 from fsdp_peft.trainer import write_adapter, write_adapter_metadata
 from fsdp_peft.variants import converted_adapter_config
 
@@ -54,7 +55,7 @@ def test_pissa_and_loftq_start_closer_to_the_full_precision_model_than_plain_qlo
     assert errors["loftq"] < errors["default"]
 
     # PiSSA's residual is W - scale * B0 @ A0, exactly (in fp32); LoftQ with loftq_iter 1 keeps the original base
-    source = getattr(bases["pissa_niter_4"], INITIAL_ADAPTER_SOURCE)
+    source = record_of(bases["pissa_niter_4"]).initial_adapter_file
     residual = load_file(source.parent / "model.safetensors")
     original, adapter = load_file(tiny_model_dir / "model.safetensors"), load_file(source)
     name, scale = "model.layers.0.self_attn.q_proj", 128 / 32
@@ -66,10 +67,10 @@ def test_pissa_and_loftq_start_closer_to_the_full_precision_model_than_plain_qlo
 
 def test_the_residual_checkpoint_is_written_once_atomically_and_reused(tmp_path, tiny_model_dir):
     first, _ = initial_model("olora", tmp_path / "first")
-    source = getattr(first, INITIAL_ADAPTER_SOURCE)
+    source = record_of(first).initial_adapter_file
     written = source.stat().st_mtime_ns
     again, model = initial_model("olora", tmp_path / "again")  # a resume, or another run of the same settings
-    assert getattr(again, INITIAL_ADAPTER_SOURCE) == source and source.stat().st_mtime_ns == written
+    assert record_of(again).initial_adapter_file == source and source.stat().st_mtime_ns == written
     assert again.name_or_path == str(source.parent)  # trained against the residual, saved for the original base
     assert model.peft_config["default"].base_model_name_or_path == str(tiny_model_dir)
     assert model.peft_config["default"].init_lora_weights == "olora"  # a checkpoint's adapter: export refuses it
