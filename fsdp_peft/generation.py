@@ -74,12 +74,6 @@ def _free_memory() -> int:
     return psutil.virtual_memory().available
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _fsdp2_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -154,7 +148,8 @@ def generate_completions(
     ``streamer`` (a transformers streamer) receives rank 0's tokens as they are generated; it needs
     batches of one prompt.
     """
-    rank, world = _rank_and_world()
+    # the process group's ranks, the ones the gathers run over (`fsdp_peft.launch.ranks`: the launcher's, before it)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(prompts), world))
     was_training = model.training
     model.eval()

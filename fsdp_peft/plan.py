@@ -136,7 +136,7 @@ def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
     return (math.ceil((numel + 1) // 2 / storage_bytes), 1)
 
 
-def quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str) -> int:
+def estimated_quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str) -> int:
     """bitsandbytes ``quant_state`` of one 4-bit weight: absmax per block (+ nested constants), code, offset."""
     blocks = math.ceil(numel / QUANT_BLOCK)
     code = 16 * 4 if quant_type in ("nf4", "fp4") else 0
@@ -199,7 +199,7 @@ def count_model(
             counts.base_parameters += parameter.numel()
             shape = packed_4bit_shape(parameter.numel(), storage_bytes)
             counts.base_bytes += shard_numel(shape, world_size) * storage_bytes
-            counts.quantization_constant_bytes += quantization_constant_bytes(
+            counts.quantization_constant_bytes += estimated_quantization_constant_bytes(
                 parameter.numel(), recipe.bnb_4bit_use_double_quant, recipe.bnb_4bit_quant_type
             )
         else:
@@ -227,7 +227,9 @@ def count_model(
     return counts
 
 
-def optimizer_state_bytes(optim: str, adapter_shard_bytes: int, adapter_tensors: int) -> tuple[int, str | None]:
+def estimated_optimizer_state_bytes(
+    optim: str, adapter_shard_bytes: int, adapter_tensors: int
+) -> tuple[int, str | None]:
     """Optimizer states for the trainable shard, and a note when the figure is only an estimate."""
     name = optim.lower()
     if name.startswith("sgd"):
@@ -329,7 +331,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
-    optimizer, note = optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
+    optimizer, note = estimated_optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
     notes += [note] if note else []
     base_class = type(peft_model.get_base_model())
     if chosen_attention(recipe.attn_implementation, base_class) == "eager":
