@@ -24,10 +24,10 @@ from peft import get_peft_config, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
 from fsdp_peft._compat import peft_wrapped
+from fsdp_peft.adapter_files import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device

@@ -81,4 +81,13 @@ def configure_for_training(args) -> None:
     configure_logging(args.log_level, args.log_level_replica, args.log_on_each_node, "stdout")
 
 
+def tell(line: str) -> None:
+    """Notes and warnings, through the logger (stderr under ``fsdp-peft export``/``generate``: stdout stays
+    the command's output)."""
+    if line.startswith("warning: "):
+        logger.warning(line.removeprefix("warning: "))
+    else:
+        logger.info(line.removeprefix("[fsdp-peft] "))
+
+
 configure_logging()

@@ -16,8 +16,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped, xla_fsdp_optimizer_created
+from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import RECIPE_FILE, write_base_record
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp import (
     FsdpLayoutReport,

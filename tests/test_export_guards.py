@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_command, tiny_llama_in_4bit
+from fsdp_peft.adapter_files import BASE_FILE, base_record
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import BASE_FILE, base_record, export_merged, nf4_round_trip
+from fsdp_peft.export import export_merged, nf4_round_trip
 
 CLI = [sys.executable, "-m", "fsdp_peft.cli"]
 Q_PROJ = "model.layers.1.self_attn.q_proj"

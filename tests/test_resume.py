@@ -131,7 +131,7 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
     adapter = load_file(interrupted / "adapter" / "adapter_model.safetensors")
     for key, tensor in reference.items():
         assert (adapter[key] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), key
-    from fsdp_peft.export import read_sharded_adapter
+    from fsdp_peft.adapter_files import read_sharded_adapter
 
     assert sorted(read_sharded_adapter(interrupted / "checkpoint-5")) == sorted(reference)  # FSDP2's keys
     assert "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta" in reference
