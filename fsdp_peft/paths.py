@@ -58,6 +58,16 @@ def checkpoint_quantization(name: str) -> dict | None:
         return None
 
 
+HUB_CONFIGS = Path(__file__).parent / "assets" / "hub_configs"  # the shipped configs' hub models: config.json
+
+
+def shipped_hub_config(name: str) -> Path | None:
+    """The published ``config.json`` of hub model ``name`` kept in the package, for the hub models the shipped
+    recipe configs name (``fsdp-peft plan`` on a machine without network); ``None`` for any other."""
+    path = HUB_CONFIGS / f"{name.replace('/', '--')}.json"
+    return path if "/" in name and path.is_file() else None
+
+
 def local_model_config(name: str, trust_remote_code: bool = False):
     """The config of model ``name`` (an embedded tiny model, a directory or a hub id) as transformers reads it, from
     this machine only: raises ``OSError`` when it is not here (nothing is downloaded), ``ValueError`` when

@@ -17,6 +17,7 @@ The verdict names the switches that would make a config fit and what each saves.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.new_tokens import grow_vocabulary
-from fsdp_peft.paths import local_model_config, resolve_model_path
+from fsdp_peft.paths import local_model_config, resolve_model_path, shipped_hub_config
 from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
@@ -181,7 +182,8 @@ def count_model(
     inner = peft_model.get_base_model()
     head = inner.get_output_embeddings()
     head_weight = stored_weight(head)
-    layers = [m for m in inner.modules() if isinstance(m, tuple(decoder_layer_classes(inner)))]
+    layer_classes = tuple(decoder_layer_classes(inner))  # once: it walks the whole model
+    layers = [m for m in inner.modules() if isinstance(m, layer_classes)]
     counts = ModelCounts()
     linear: set[int] = set()  # transformers' bnb quantizer converts every nn.Linear except the output head
     for module in inner.modules():
@@ -290,12 +292,17 @@ def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_byte
 
 
 def load_model_config(name: str, trust_remote_code: bool = False):
-    """The model's config only: embedded tiny models, local directories, or hub ids (downloaded config)."""
+    """The model's config only: embedded tiny models, local directories and downloaded hub models, then the
+    shipped configs' hub models (their published config.json kept in the package: planning needs no network),
+    then any other hub id (its config downloaded)."""
     path = resolve_model_path(name)
     try:
         return local_model_config(name, trust_remote_code)
     except (OSError, ValueError):
-        pass  # not on this machine: ask the hub
+        pass  # not on this machine
+    if (shipped := shipped_hub_config(name)) is not None:
+        values = json.loads(shipped.read_text())
+        return AutoConfig.for_model(values.pop("model_type"), **values)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:

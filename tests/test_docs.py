@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port
+from fsdp_peft.paths import HUB_CONFIGS as SHIPPED_HUB_CONFIGS
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "console"}
@@ -63,65 +64,10 @@ PLACEHOLDER_FILES = {
     "prompts.jsonl": '{"prompt": "reverse: hello"}\n{"prompt": "reverse: abcde"}\n',
 }
 
-# The config.json of each hub model a documented command reads (values as published on the hub), so
-# `fsdp-peft plan` and `validate` see the real shapes with no network.
+# The config.json of each hub model a documented command reads: the published ones the package keeps for the
+# shipped configs' models (`fsdp_peft.paths.shipped_hub_config`), here also as a hub cache for `validate`.
 HUB_CONFIGS = {
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "hidden_size": 4096,
-        "initializer_range": 0.02,
-        "intermediate_size": 14336,
-        "max_position_embeddings": 131072,
-        "mlp_bias": False,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 32,
-        "num_key_value_heads": 8,
-        "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "rope_scaling": {
-            "factor": 8.0,
-            "high_freq_factor": 4.0,
-            "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "use_cache": True,
-        "vocab_size": 128256,
-    },
-    "Qwen/Qwen2.5-7B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "hidden_act": "silu",
-        "hidden_size": 3584,
-        "initializer_range": 0.02,
-        "intermediate_size": 18944,
-        "max_position_embeddings": 32768,
-        "max_window_layers": 28,
-        "num_attention_heads": 28,
-        "num_hidden_layers": 28,
-        "num_key_value_heads": 4,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 131072,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 152064,
-    },
+    path.stem.replace("--", "/"): json.loads(path.read_text()) for path in sorted(SHIPPED_HUB_CONFIGS.glob("*.json"))
 }
 
 

@@ -156,3 +156,41 @@ def test_preference_plans_count_trls_fused_head_tile_not_the_sft_loss(tmp_path):
     assert plan.gpu["loss logits, transient (est.)"] == plan.tokens_per_rank * vocab * c
     assert not any("loss_chunk_tokens" in s["switch"] for s in plan.suggestions)
     assert any("TRL's fused head" in note for note in plan.notes)
+
+
+SHIPPED_CONFIGS = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if p.parent.name != "accelerate")
+
+
+@pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_plan_prints_a_table_for_every_shipped_config_without_network(config, capsys, monkeypatch):
+    """As on a login node with no network and nothing downloaded: every hub model a shipped config names has its
+    published config.json in the package (`fsdp_peft.paths.shipped_hub_config`), and the hub is never asked."""
+    import fsdp_peft.plan as planner
+    from fsdp_peft.paths import resolve_model_path
+
+    read_local = planner.local_model_config
+
+    def nothing_downloaded(name, trust_remote_code=False):
+        if Path(resolve_model_path(name)).is_dir():  # the embedded tiny models are built, not downloaded
+            return read_local(name, trust_remote_code)
+        raise OSError(f"{name} is not on this machine")
+
+    class NoHub:  # the planner's AutoConfig: builds configs, never downloads one
+        for_model = planner.AutoConfig.for_model
+
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            raise AssertionError(f"the hub was asked for {name}")
+
+    monkeypatch.setattr(planner, "local_model_config", nothing_downloaded)
+    monkeypatch.setattr(planner, "AutoConfig", NoHub)
+    gpus = ["--gpus", "2"]
+    if config.name.startswith("tpu_"):  # planned for its TPU chips, as docs/tpu.md shows
+        monkeypatch.setenv("PJRT_DEVICE", "TPU")
+        gpus = ["--gpus", "8", "--gpu-memory", "16GiB"]
+    try:
+        main(["plan", str(config), *gpus])
+    except SystemExit as exited:
+        assert exited.code == 1, capsys.readouterr().err  # 1: does not fit, said in the table's last line
+    out = capsys.readouterr().out
+    assert "parameters" in out and out.strip().splitlines()[-1].startswith(("fits in ", "does not fit in "))
