@@ -82,6 +82,18 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "torch_empty_cache_steps": _at_least(1),
     "neftune_noise_alpha": _above(0),
     "ddp_timeout": _at_least(1),
+    "beta": _above(0),
+    "eva_rho": _at_least(1),
+}
+# Keys whose empty value (``""`` or ``[]``) no run can use, and the fix (an unset key takes its default instead).
+NOT_EMPTY = {
+    "model_name_or_path": "name a hub id, a local model directory or an embedded model (tiny-llama)",
+    "output_dir": "name a directory (or remove the key for outputs/<recipe>)",
+    "dataset_train_split": "name the split to train on (or remove the key for train)",
+    "dataset_eval_split": "name a split (or remove the key: no evaluation split)",
+    "dataset_config": "name the dataset's configuration (or remove the key for its default)",
+    "lora_target_modules": "name the modules to adapt, or all-linear, or auto (the family's)",
+    "report_to": "use none for no logging integration",
 }
 RANGE_HINTS = {
     "learning_rate": "e.g. 2e-4 for LoRA",
@@ -184,6 +196,9 @@ def key_problems(values: dict, hints: dict[str, Any]) -> list[str]:
         if not _matches(value, hint):
             shown = "nothing (an empty value)" if value is None else f"{value!r} ({type(value).__name__})"
             problems.append(f"{key}: expected {_describe_type(hint)}, got {shown}")
+            continue
+        if key in NOT_EMPTY and (value == "" or isinstance(value, list) and all(item == "" for item in value)):
+            problems.append(f"{key}: empty; {NOT_EMPTY[key]}")
             continue
         if key in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
             accepts, rule = RANGES[key]

@@ -2,7 +2,10 @@
 
 Valid configs (the shipped tiny LoRA and QLoRA defaults, and one on the recipe's FSDP route) are mutated
 one change at a time: a key dropped, retyped, set out of range, misspelled, given twice; FSDP keys combined
-in ways that cannot work; tabs and broken YAML. Each result goes through the recipe's own config path
+in ways that cannot work; tabs and broken YAML. Then every key (each recipe key, each key a shipped tiny config
+sets, the preference keys on the DPO config) gets each edge value: empty string, empty list, NaN, infinities,
+-1 and 0; the ones a run can use are listed with what they mean (`MEANINGFUL_EDGES`), any other must be refused.
+Each result goes through the recipe's own config path
 (`resolve_recipe_config`, `check_before_training`, `build_training_arguments`, as ``fsdp-peft validate`` and
 every recipe run them) as if launched on 2 ranks. Anything but a `ConfigError` is a traceback a user would
 see; a mutation that must be refused (duplicate, out of range, wrong type, misspelling, FSDP clash) and is
@@ -11,6 +14,7 @@ accepted is a silent acceptance. A sample of refusals also runs through the real
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import sys
@@ -21,10 +25,10 @@ import pytest
 import yaml
 
 from conftest import REPO, run_command
-from fsdp_peft.config import build_training_arguments, resolve_recipe_config
+from fsdp_peft.config import PREFERENCE_KEYS, RecipeArguments, build_training_arguments, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import training_field_types
-from fsdp_peft.validation import check_before_training
+from fsdp_peft.validation import PREFERENCE, SFT, check_before_training
 
 MUTATIONS = 600
 SEED = 20261130
@@ -73,6 +77,45 @@ FSDP_CLASHES = [  # (values set, the key the message must name)
     ({"fsdp": True, "fsdp_config": {"fsdp_version": 2, "version": 2}}, "fsdp_config"),
     ({"fsdp": 42}, "fsdp"),
 ]
+
+
+DPO_BASE = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+EDGE_VALUES = ["", [], float("nan"), float("inf"), float("-inf"), -1, 0]
+MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; every other edge value is refused
+    ("seed", 0): "a seed",
+    ("data_seed", 0): "a seed",
+    ("dataloader_num_workers", 0): "load in the main process",
+    ("eval_split", 0): "no held-out split",
+    ("generate_samples", 0): "no generation after training",
+    ("generate_eval_samples", 0): "no samples at evaluation",
+    ("lora_dropout", 0): "no dropout",
+    ("loss_chunk_tokens", 0): "the chunked loss off",
+    ("warmup_steps", 0): "no warmup",
+    ("weight_decay", 0): "no weight decay",
+    ("max_steps", -1): "train num_train_epochs",
+    ("new_special_tokens", ()): "no new tokens",
+    ("trainable_token_indices", ()): "no trained token rows",
+    ("lora_modules_to_save", ()): "no trained copies",
+    ("lora_modules_to_save", ""): "no trained copies",
+    ("lora_rank_pattern", ""): "no per-module ranks",
+    ("lora_alpha_pattern", ""): "no per-module alphas",
+    ("ref_model", ""): "no separate reference (the adapter-disabled model is the reference)",
+}
+
+
+def edge_mutations():
+    """Yield ``(key, edge value, YAML text, procedure)``: every key with every value of `EDGE_VALUES`."""
+    sft_keys = set(yaml.safe_load(BASES["lora"].read_text())) | set(yaml.safe_load(BASES["qlora"].read_text()))
+    keys = sft_keys | {f.name for f in dataclasses.fields(RecipeArguments)}
+    for key in sorted(keys):
+        preference = key in PREFERENCE_KEYS
+        base = yaml.safe_load((DPO_BASE if preference else BASES["lora"]).read_text())
+        for value in EDGE_VALUES:
+            yield key, value, _dump({**base, key: value}), PREFERENCE if preference else SFT
+
+
+def _meaningful(key: str, value) -> bool:
+    return (key, tuple(value) if isinstance(value, list) else value) in MEANINGFUL_EDGES
 
 
 def _misspelled(key: str, rng: random.Random) -> str:
@@ -132,12 +175,12 @@ def mutations(rng: random.Random):
             yield kind, base_name, text, True, None
 
 
-def validate_as_the_recipe_does(config: Path, monkeypatch) -> None:
+def validate_as_the_recipe_does(config: Path, monkeypatch, procedure: str = SFT) -> None:
     """The recipe's config path on 2 launched ranks (torchrun's WORLD_SIZE), as `fsdp-peft validate` runs it."""
     recipe, training_values, options = resolve_recipe_config(["--config", str(config)], config, "outputs")
     with monkeypatch.context() as launched:
         launched.setenv("WORLD_SIZE", "2")
-        check_before_training(recipe, training_values)
+        check_before_training(recipe, training_values, procedure=procedure)
     build_training_arguments(training_values, options.config)
 
 
@@ -179,6 +222,41 @@ def test_mutated_configs_validate_or_are_refused_with_one_line_naming_the_key(tm
     assert not multiline, multiline[:3]
     assert all(outcomes[kind, "refused"] > 0 for kind in ("range", "misspell", "duplicate", "fsdp", "tab", "syntax"))
     assert outcomes["drop", "accepted"] > 0  # dropping a key falls back to its default
+
+
+def test_every_key_takes_an_edge_value_as_meant_or_refuses_it_with_one_line(tmp_path, monkeypatch, capsys):
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    accepted, refused, tracebacks, silent, unnamed, multiline = set(), 0, [], [], [], []
+    for number, (key, value, text, procedure) in enumerate(edge_mutations()):
+        config = tmp_path / f"e{number}.yaml"
+        config.write_text(text)
+        try:
+            validate_as_the_recipe_does(config, monkeypatch, procedure)
+        except ConfigError as error:
+            refused += 1
+            if "\n" in str(error):
+                multiline.append((key, value, str(error)))
+            if key not in str(error):
+                unnamed.append((key, value, str(error)))
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as error:  # a traceback a user would see
+            tracebacks.append((key, value, repr(error)))
+        else:
+            accepted.add((key, tuple(value) if isinstance(value, list) else value))
+            if not _meaningful(key, value):
+                silent.append((key, value))
+    total = number + 1
+    with capsys.disabled():
+        print(f"\n{total} edge values: {refused} refused, {len(accepted)} accepted as meant")
+    assert total >= 500 and total + MUTATIONS >= 1000  # with the random mutations: over a thousand
+    assert not tracebacks, tracebacks[:3]
+    assert not silent, silent[:5]
+    assert not unnamed, unnamed[:3]
+    assert not multiline, multiline[:3]
+    assert accepted == set(MEANINGFUL_EDGES)  # each listed meaning is still taken (the list is not stale)
 
 
 @pytest.mark.parametrize("kind", ["duplicate", "range", "fsdp", "syntax"])
