@@ -41,6 +41,7 @@ from fsdp_peft.xla import (
     expose_generate,
     load_spmd_checkpoint,
     prepare_for_xla_fsdp,
+    sharding_summary,
     unwrap_xla_fsdp,
     xla_trainable_state_dict,
 )
@@ -104,6 +105,7 @@ class PeftFsdpMixin:
         register_generate(self.model)
         if self.is_fsdp_xla_enabled:
             expose_generate(self.model)
+            logger.info(sharding_summary(self.model, self.args.fsdp_config))
         return prepared
 
     def _save_checkpoint(self, model, trial):

@@ -80,6 +80,29 @@ def parameter_shardings(model: torch.nn.Module) -> dict[str, str]:
     return {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in model.named_parameters()}
 
 
+def sharding_summary(model: torch.nn.Module, fsdp_config: dict) -> str:
+    """How an XLA FSDP run is sharded, in one line (GPU and CPU runs print their FSDP units): the mesh and its
+    devices (v2, SPMD) or the wrapped units (v1), how many parameters are sharded, the checkpointed layers."""
+    import torch_xla.runtime as xr  # lazy: only on the XLA route
+
+    count = xr.global_runtime_device_count()
+    devices = f"{count} device{'s' if count != 1 else ''}"
+    checkpointed = checkpointed_layers(model)
+    if fsdp_config.get("xla_fsdp_v2"):
+        import torch_xla.distributed.spmd as xs  # lazy: only on the XLA route
+
+        mesh = xs.get_global_mesh()
+        shape = dict(zip(mesh.axis_names, mesh.mesh_shape)) if mesh is not None else {}
+        shardings = parameter_shardings(model)
+        sharded = sum(1 for spec in shardings.values() if spec.startswith("{devices="))
+        return (
+            f"XLA FSDP v2 (SPMD): mesh {shape} over {devices}; sharded parameters: "
+            f"{sharded}/{len(shardings)}; checkpointed layers: {checkpointed}"
+        )
+    units = [m for m in model.modules() if type(m).__name__ == "XlaFullyShardedDataParallel"]
+    return f"XLA FSDP v1: {len(units)} units over {devices}; checkpointed layers: {checkpointed}"
+
+
 def start_xla_runtime(fsdp_config: dict | None) -> None:
     """Switch PyTorch/XLA to SPMD before anything touches a device, when the run takes XLA FSDP v2.
 

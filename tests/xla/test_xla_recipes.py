@@ -55,6 +55,7 @@ def launch(output_dir: Path, devices: int | None, *arguments: str, probe: bool =
         os.environ.clear()
         os.environ.update(env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (output_dir / "launch.log").write_text(result.stdout + result.stderr)  # what the user saw
     return result
 
 
@@ -99,6 +100,26 @@ def test_spmd_shards_every_parameter_over_the_mesh_and_trains_as_on_the_cpu(runs
     assert len(base) == DECODER_LAYERS and all(shardings[n].startswith(f"{{devices=[{devices},1]") for n in base)
     assert sorted(probe["checkpointed"].values()) == ["LlamaDecoderLayer"] * DECODER_LAYERS
     assert_close(losses(runs[f"spmd{devices}"]), losses(runs["cpu"]))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_an_spmd_run_says_how_it_is_sharded(runs, devices):
+    """As GPU and CPU runs print their FSDP units: the mesh, its devices, the sharded parameters (those the
+    probe saw sharded, of all) and the checkpointed layers, one line."""
+    shardings = json.loads((runs[f"spmd{devices}"] / "xla_probe.json").read_text())["shardings"]
+    sharded = sum(1 for spec in shardings.values() if spec.startswith("{devices="))
+    expected = (
+        f"XLA FSDP v2 (SPMD): mesh {{'fsdp': {devices}, 'tensor': 1}} over {devices} devices; sharded parameters: "
+        f"{sharded}/{len(shardings)}; checkpointed layers: {DECODER_LAYERS}"
+    )
+    assert sharded == len(shardings) > 50
+    assert expected in (runs[f"spmd{devices}"] / "launch.log").read_text()
+
+
+def test_an_fsdp_v1_run_says_how_it_is_sharded(runs):
+    log = (runs["v1"] / "launch.log").read_text()
+    summary = rf"XLA FSDP v1: \d+ units over 1 device; checkpointed layers: {DECODER_LAYERS}\n"
+    assert re.search(summary, log), log[-2000:]
 
 
 def test_fsdp_v1_on_one_device_checkpoints_every_decoder_layer_and_trains_as_on_the_cpu(runs):
