@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -495,8 +496,12 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         rows = [json.loads(line) for line in outcome.stdout.splitlines() if line.startswith("{")]
         assert [row["prompt"] for row in rows] == ["reverse: hello", "reverse: abcde"], outcome.stdout
     elif "fsdp-peft generate" in command and "--prompt " in command:  # one prompt: its completion, streamed
-        assert outcome.stdout.strip() and ">>> " not in outcome.stdout, output[-3000:]
-        assert re.search(r"\[fsdp-peft\] generating from ", outcome.stderr), output[-3000:]
+        assert ">>> " not in outcome.stdout and re.search(r"\[fsdp-peft\] generating from ", outcome.stderr), output
+        # the streamed text is the completion itself: the same source and prompt as one JSON row
+        arguments = [*shlex.split(command.partition("#")[0])[1:], "--json"]
+        returncode, stdout, stderr = _fsdp_peft_here(arguments, workspace, workspace / "no-hub")
+        assert returncode == 0, stderr
+        assert outcome.stdout.rstrip("\n") == json.loads(stdout)["completion"], (outcome.stdout, stdout)
     elif "fsdp-peft generate" in command:  # prompts from a file or stdin: each prompt, then its completion
         shown = re.findall(r"(?m)^>>> (.*)$", outcome.stdout)
         assert shown == ["reverse: hello", "reverse: abcde"], output[-3000:]
