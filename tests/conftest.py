@@ -17,6 +17,30 @@ collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 ACCELERATE_CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 
 
+# The files whose tests take longest (measured with --durations, 2 cores), started first: with two test processes
+# (pyproject.toml's -n 2 --dist loadfile) a long file started last would run alone at the end. Order only.
+LONGEST_FIRST = [
+    "test_docs.py",
+    "test_variants.py",
+    "test_fsdp_routes.py",
+    "test_runs.py",
+    "test_resume.py",
+    "test_recipes_fsdp.py",
+    "test_preference.py",
+    "test_recipes_catalog.py",
+    "test_generate_cli.py",
+    "test_export_guards.py",
+    "test_config_fuzz.py",
+    "test_families.py",
+    "test_multinode.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:
     """A fresh cache for the embedded model, so the tests also cover building it from the seed."""
