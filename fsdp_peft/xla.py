@@ -69,8 +69,9 @@ def prepare_for_xla_fsdp(model: torch.nn.Module, args, decoder_layers: Iterable[
 
 
 def checkpointed_layers(model: torch.nn.Module) -> int:
-    """How many units torch_xla wrapped in activation checkpointing (``checkpoint_module``)."""
-    return sum(1 for module in model.modules() if getattr(module, "_xla_checkpointed_module", False))
+    """How many units torch_xla wrapped in activation checkpointing (``checkpoint_module`` keeps each one's own
+    forward as ``_xla_checkpointed_forward_original``, torch-xla 2.9)."""
+    return sum(1 for module in model.modules() if "_xla_checkpointed_forward_original" in vars(module))
 
 
 def parameter_shardings(model: torch.nn.Module) -> dict[str, str]:
