@@ -58,7 +58,7 @@ def checkpoint_quantization(name: str) -> dict | None:
         return None
 
 
-HUB_CONFIGS = Path(__file__).parent / "assets" / "hub_configs"  # the shipped configs' hub models: config.json
+HUB_CONFIGS = Path(__file__).parent / "hub_configs"  # the shipped configs' hub models: config.json
 
 
 def shipped_hub_config(name: str) -> Path | None:
