@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "exit_stress.json"
 ABORT = "terminate called"
-LIVE_THREADS = "native threads of the process group outlived it"  # fsdp_peft.launch.release_process_group
+LIVE_THREADS = "native threads of the process group outlived it"  # fsdp_peft.distributed.release_process_group
 SHORT = ["--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "8", "--warmup_steps", "0"]
 QUIET = ["--generate_samples", "0", "--generate_eval_samples", "0"]
 CHECKPOINTS = ["--save_strategy", "steps", "--save_steps", "2"]

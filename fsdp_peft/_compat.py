@@ -192,7 +192,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
         ("self", "accelerator"),
-        "fsdp_peft.fsdp.apply_parallelism_config_on_cpu",
+        "fsdp_peft.cpu_fsdp.apply_parallelism_config_on_cpu",
         "HSDP on CPU: the mesh accelerate refuses to build on a MULTI_CPU state",
         "accelerate supports FSDP on CPU (gloo)",
     ),
@@ -416,7 +416,7 @@ def trainer_peft_update_skipped():
     """Replaces ``transformers.trainer.update_fsdp_plugin_peft`` with a no-op while Trainer prepares the model.
 
     Why: Trainer calls it on the FSDP1 path only, after fsdp-peft set the PEFT-aware policies
-    (`fsdp_peft.policies.configure_fsdp_for_peft`), and would replace them with peft's lambda policy.
+    (`fsdp_peft.fsdp_policies.configure_fsdp_for_peft`), and would replace them with peft's lambda policy.
     Upstream: transformers 5.24 calls it only when ``delay_optimizer_creation`` (FSDP1).
     Remove when: transformers applies the same PEFT-aware policies under both FSDP versions.
     """

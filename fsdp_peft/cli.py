@@ -107,8 +107,8 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from fsdp_peft.distributed import release_process_group, start_process_group  # lazy: ls/cp must not import torch
     from fsdp_peft.inference import run_generate  # lazy: ls/cp must not import torch
-    from fsdp_peft.launch import release_process_group, start_process_group  # lazy: ls/cp must not import torch
 
     start_process_group()
     try:

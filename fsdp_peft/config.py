@@ -23,8 +23,8 @@ from fsdp_peft.catalog import shipped_config
 from fsdp_peft.dtypes import DTYPES, dtype_named, short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
+from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.keys import plain_value
-from fsdp_peft.launch import trainer_fsdp_arguments
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.xla import on_xla
 from fsdp_peft.yaml_files import load_yaml_file

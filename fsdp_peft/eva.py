@@ -28,9 +28,9 @@ import torch.distributed as dist
 from peft.tuners.lora.eva import get_eva_state_dict, initialize_lora_eva_weights
 from safetensors.torch import save_file
 
+from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import torch_threads
-from fsdp_peft.launch import ranks
 from fsdp_peft.log import logger
 from fsdp_peft.runs import EVA_INIT_FILE
 

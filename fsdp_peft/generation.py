@@ -7,7 +7,7 @@ until it returns, instead of once per new token: up to a memory budget, in modul
 that does not fit whole keeps as many units as fit and the rest gather per forward as in training.
 When every unit is kept, ``generate`` issues no collective at all and each rank runs only its own
 prompts; otherwise every rank joins every forward (``synced_gpus``) and a rank without prompts of its
-own runs a placeholder. FSDP1 roots gather per forward (see `fsdp_peft.policies.register_generate`).
+own runs a placeholder. FSDP1 roots gather per forward (see `fsdp_peft.fsdp_policies.register_generate`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from fsdp_peft.data import Example, render_example_prompt
-from fsdp_peft.fsdp import gathered_from_every_rank, is_sharded
+from fsdp_peft.distributed import gathered_from_every_rank
+from fsdp_peft.fsdp_layout import is_sharded
 from fsdp_peft.log import logger
 from fsdp_peft.safetensors_io import parse_size
 
@@ -148,7 +149,7 @@ def generate_completions(
     ``streamer`` (a transformers streamer) receives rank 0's tokens as they are generated; it needs
     batches of one prompt.
     """
-    # the process group's ranks, the ones the gathers run over (`fsdp_peft.launch.ranks`: the launcher's, before it)
+    # the process group's ranks, the ones the gathers run over (`fsdp_peft.distributed.ranks`: the launcher's)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(prompts), world))
     was_training = model.training

@@ -6,7 +6,7 @@ FSDP state, training ``output_dir``). An adapter is loaded onto its base the way
 (same dtype, 4-bit when it was QLoRA), from the recipe saved next to it.
 
 Under ``accelerate launch`` / ``torchrun`` with several processes, every rank loads the model, FSDP2
-shards it (`fsdp_peft.policies.shard_for_generation`) and generation runs on the sharded model with
+shards it (`fsdp_peft.fsdp_policies.shard_for_generation`) and generation runs on the sharded model with
 the prompts spread over the ranks; rank 0 prints.
 """
 
@@ -28,11 +28,11 @@ from fsdp_peft.adapter_files import ADAPTER_SOURCES, RECIPE_FILE, check_trained_
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import render_prompt
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
 from fsdp_peft.new_tokens import grow_vocabulary, tokenizer_directory
-from fsdp_peft.policies import shard_for_generation
 from fsdp_peft.variants import init_reads_base_weights
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"

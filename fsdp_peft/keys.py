@@ -21,7 +21,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames
 
-SKIPPED_TYPE_CHECK = ("fsdp", "fsdp_config", "parallelism_config")  # `fsdp_peft.launch` reads the FSDP keys
+SKIPPED_TYPE_CHECK = ("fsdp", "fsdp_config", "parallelism_config")  # `fsdp_peft.fsdp_settings` reads the FSDP keys
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
 CHOICES: dict[str, tuple[str, ...]] = {

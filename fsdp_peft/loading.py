@@ -32,8 +32,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.quantizers import AutoHfQuantizer
 
 from fsdp_peft._compat import fsdp2_prepare_model_replaced
+from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.launch import fsdp_settings, ranks
+from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of
 from fsdp_peft.new_tokens import grown_checkpoint_tensor

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import TextIO
 
-from fsdp_peft.launch import ranks
+from fsdp_peft.distributed import ranks
 
 logger = logging.getLogger("fsdp_peft")
 LEVELS = {

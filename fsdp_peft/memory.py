@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
-from fsdp_peft.fsdp import gathered_from_every_rank
+from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.log import logger
 
 MEMORY_FILE = "memory.json"

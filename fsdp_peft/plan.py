@@ -31,12 +31,12 @@ from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.launch import fsdp_settings, trainer_fsdp_arguments
+from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
+from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import local_model_config, resolve_model_path, shipped_hub_config
-from fsdp_peft.policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.validation import layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import xla_plan
@@ -158,7 +158,7 @@ def meta_peft_model(model_config, recipe):
 
 
 def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[torch.nn.Parameter]]:
-    """The tensors FSDP1 flattens together, one list per unit (`fsdp_peft.policies.fsdp1_wrap_policy`, the root
+    """The tensors FSDP1 flattens together, one list per unit (`fsdp_peft.fsdp_policies.fsdp1_wrap_policy`, the root
     unit holding what no other unit does): each tensor belongs to the smallest unit around it."""
     policy = fsdp1_wrap_policy(peft_model, layer_classes)
     units = [peft_model] + [

@@ -24,11 +24,12 @@ from transformers.trainer_utils import get_last_checkpoint
 from fsdp_peft._compat import check_upstream
 from fsdp_peft.config import RecipeArguments, build_training_arguments, resolve_recipe_config, resolved_config_yaml
 from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
+from fsdp_peft.distributed import ranks, release_process_group
 from fsdp_peft.ending import end_run
 from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.eva import initialise_eva
+from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
-from fsdp_peft.launch import ranks, release_process_group, trainer_fsdp_arguments
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import build_model, load_tokenizer
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run

@@ -37,10 +37,9 @@ from peft.tuners.lora import Linear, LoraLayer
 from peft.utils.loftq_utils import _low_rank_decomposition
 from safetensors.torch import load_file, save_file
 
+from fsdp_peft.distributed import gathered_from_every_rank, ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
-from fsdp_peft.fsdp import gathered_from_every_rank
-from fsdp_peft.launch import ranks
 from fsdp_peft.loading import checkpoint_key, low_memory_loading_requested
 from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of

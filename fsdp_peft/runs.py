@@ -46,8 +46,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.launch import ranks
 from fsdp_peft.log import logger
 
 RUN_FILE = "fsdp_peft_run.json"

@@ -17,24 +17,22 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped, xla_fsdp_optimizer_created
 from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.files import publish_directory
-from fsdp_peft.fsdp import (
-    FsdpLayoutReport,
+from fsdp_peft.cpu_fsdp import (
     cpu_fsdp_requested,
     enable_cpu_fsdp,
-    is_sharded,
     parallelism_config_held_back,
     skip_sync_module_states,
-    unit_name,
 )
-from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.files import publish_directory
+from fsdp_peft.fsdp_layout import FsdpLayoutReport, is_sharded, unit_name
+from fsdp_peft.fsdp_policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
+from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes_loss
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
-from fsdp_peft.policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
 from fsdp_peft.runs import Run, RunBegins
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (

@@ -20,23 +20,23 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
+from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
-from fsdp_peft.keys import field_types, key_problems, unknown_choice
-from fsdp_peft.launch import (
+from fsdp_peft.fsdp_policies import decoder_layer_classes
+from fsdp_peft.fsdp_settings import (
     _fsdp_options,
     _read_fsdp_config,
     fsdp_settings,
     fsdp_settings_for_rules,
     launcher_asks_for_fsdp,
-    ranks,
     truthy,
 )
+from fsdp_peft.keys import field_types, key_problems, unknown_choice
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
-from fsdp_peft.policies import decoder_layer_classes
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
 from fsdp_peft.variants import VARIANT_RULES

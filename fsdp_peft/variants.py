@@ -15,8 +15,8 @@ import re
 
 import torch
 
+from fsdp_peft.fsdp_settings import fsdp_settings_for_rules
 from fsdp_peft.keys import unknown_choice
-from fsdp_peft.launch import fsdp_settings_for_rules
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
 from fsdp_peft.model_record import record_of

@@ -107,7 +107,7 @@ def sharding_summary(model: torch.nn.Module, fsdp_config: dict) -> str:
 def start_xla_runtime(fsdp_config: dict | None) -> None:
     """Switch PyTorch/XLA to SPMD before anything touches a device, when the run takes XLA FSDP v2.
 
-    ``fsdp_config`` is the Trainer's (``fsdp_peft.launch.trainer_fsdp_arguments``). SPMD is one process
+    ``fsdp_config`` is the Trainer's (``fsdp_peft.fsdp_settings.trainer_fsdp_arguments``). SPMD is one process
     driving every device; it must be on before the first XLA tensor exists.
     """
     if on_xla() and fsdp_config and fsdp_config.get("xla_fsdp_v2"):

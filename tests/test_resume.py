@@ -106,7 +106,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
 
 def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tiny_model_dir):
     """FSDP1 checkpoints hold the adapter and its optimizer state (accelerate alone saves neither), trainable
-    token rows included (a unit of their own, `fsdp_peft.policies.fsdp1_wrap_policy`)."""
+    token rows included (a unit of their own, `fsdp_peft.fsdp_policies.fsdp1_wrap_policy`)."""
     fsdp1 = {"accelerate_config": REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"}
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     common = [*COMMON, "--trainable_token_indices", "3", "5", "7"]

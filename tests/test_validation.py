@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.launch import fsdp_settings
+from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.preference import parse_preference_config
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.validation import PREFERENCE, RULES, SFT, _preference_runs_without_eva

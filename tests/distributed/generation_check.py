@@ -14,6 +14,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.distributed import release_process_group, start_process_group
+from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import (
     GenerationSettings,
     _budget_agreed_by_all_ranks,
@@ -21,9 +23,7 @@ from fsdp_peft.generation import (
     gathered_bytes,
     generate_completions,
 )
-from fsdp_peft.launch import release_process_group, start_process_group
 from fsdp_peft.modeling import load_base_model, load_tokenizer
-from fsdp_peft.policies import shard_for_generation
 
 NEW_TOKENS = 8
 start_process_group()  # and torn down at exit, while the interpreter is whole

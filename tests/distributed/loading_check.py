@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.launch import start_process_group
+from fsdp_peft.distributed import start_process_group
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.modeling import attach_lora, load_base_model
 from fsdp_peft.trainer import PeftFsdpTrainer

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_peft._compat import process_group_threads, process_groups_released
-from fsdp_peft.launch import ranks, start_process_group
+from fsdp_peft.distributed import ranks, start_process_group
 
 
 def train_one_step() -> None:

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.launch import release_process_group, start_process_group
+from fsdp_peft.distributed import release_process_group, start_process_group
 from fsdp_peft.modeling import load_base_model
 
 start_process_group()  # and torn down at exit, while the interpreter is whole

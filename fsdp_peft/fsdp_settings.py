@@ -1,4 +1,4 @@
-"""How this run was launched: its ranks, and the FSDP settings it will train with. The one reader.
+"""The FSDP settings this run trains with, resolved from every place FSDP can be asked for. The one reader.
 
 FSDP can be asked for in three places, and this module resolves them into one `FsdpSettings`:
 
@@ -17,19 +17,13 @@ accelerate's when only the launcher does. Validation, the trainer, loading and t
 
 from __future__ import annotations
 
-import atexit
 import difflib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from fsdp_peft._compat import process_groups_released
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.xla import XLA_KEYS, on_xla, xla_fsdp_config
 from fsdp_peft.yaml_files import load_yaml_file
@@ -82,36 +76,6 @@ RECIPE_ROUTE, LAUNCHER_ROUTE = "recipe fsdp/fsdp_config", "accelerate config"
 
 
 @dataclass(frozen=True)
-class Ranks:
-    """This process's place in the launch: global and node-local rank and sizes."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        return self.local_rank == 0
-
-
-def ranks() -> Ranks:
-    """The launcher's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` (one process without them)."""
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    return Ranks(
-        rank=int(env.get("RANK", "0")),
-        local_rank=int(env.get("LOCAL_RANK", "0")),
-        world_size=world,
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-    )
-
-
-@dataclass(frozen=True)
 class FsdpSettings:
     """The FSDP plugin settings this run trains with, resolved from every route, without building the plugin."""
 
@@ -126,37 +90,6 @@ class FsdpSettings:
     offload_params: bool
     activation_checkpointing: bool
     cpu_ram_efficient_loading: bool
-
-
-def start_process_group() -> None:
-    """Join the launcher's process group (NCCL on GPUs, gloo on the CPU) unless one exists, and make sure it
-    is torn down before the interpreter ends, whatever happens (`release_process_group` at exit)."""
-    atexit.register(release_process_group)
-    if dist.is_initialized() or ranks().world_size < 2:
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(ranks().local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-
-def release_process_group() -> None:
-    """Destroy the process group and join its native threads while the interpreter is whole; every distributed
-    entry point ends here (in ``finally``, and again at exit).
-
-    Threads of a process group left running into interpreter shutdown race finalization and the C++ static
-    destructors: finished runs aborted at exit ("terminate called without an active exception", SIGABRT),
-    which the launcher reports as a failure. torch's destroy alone leaves them running under FSDP2
-    (`fsdp_peft._compat.process_groups_released`); a thread still running afterwards is named in a warning.
-    """
-    if not dist.is_available():
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if still_running := process_groups_released():
-        logging.getLogger(__package__).warning(  # fsdp_peft.log's logger (that module reads this one's ranks)
-            f"{len(still_running)} native threads of the process group outlived it ({', '.join(still_running)}): "
-            "something still holds the group; the process may abort at exit"
-        )
 
 
 def launcher_asks_for_fsdp() -> bool:
