@@ -71,18 +71,16 @@ def _validate(args: argparse.Namespace) -> None:
     """The rules see the launch (world size included); ``TrainingArguments`` is then built in this one
     process, as it would refuse to start a process group of several ranks here."""
     from fsdp_peft.config import (  # lazy: ls/cp must not import torch
-        PREFERENCE_KEYS,
         build_training_arguments,
-        read_yaml_config,
+        is_preference_config,
         resolve_recipe_config,
     )
     from fsdp_peft.validation import PREFERENCE, SFT, check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
-    preference = set(PREFERENCE_KEYS) & read_yaml_config(args.config).keys()  # a DPO/KTO config
     with _environment(launcher):
-        check_before_training(recipe, training_values, True, PREFERENCE if preference else SFT)
+        check_before_training(recipe, training_values, True, PREFERENCE if is_preference_config(args.config) else SFT)
     with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):
         build_training_arguments(training_values, options.config)
     print(f"{args.config}: ok" + (f" under {args.accelerate_config}" if args.accelerate_config else ""))

@@ -163,6 +163,11 @@ class RecipeArguments:
 PREFERENCE_KEYS = ("beta", "loss_type", "precompute_ref_log_probs", "ref_model")  # a config that sets one is DPO's
 
 
+def is_preference_config(path: Path) -> bool:
+    """Whether the recipe YAML at ``path`` (its includes followed) sets a DPO/KTO key: a preference run's config."""
+    return bool(set(PREFERENCE_KEYS) & read_yaml_config(Path(path)).keys())
+
+
 class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 

@@ -38,12 +38,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _at_least(bound: float) -> tuple[Callable[[float], bool], str]:
-    return (lambda v: v >= bound), f"at least {bound:g}"
+def _at_least(bound: float, words: str = "") -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v >= bound), words or f"at least {bound:g}"
 
 
-def _above(bound: float) -> tuple[Callable[[float], bool], str]:
-    return (lambda v: v > bound), f"above {bound:g}"
+def _above(bound: float, words: str = "") -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v > bound), words or f"above {bound:g}"
 
 
 def _fraction(closed_top: bool = False) -> tuple[Callable[[float], bool], str]:
@@ -53,6 +53,12 @@ def _fraction(closed_top: bool = False) -> tuple[Callable[[float], bool], str]:
 
 
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lora_r": _above(0, "positive"),
+    "max_seq_length": _above(0, "positive"),
+    "generate_max_new_tokens": _above(0, "positive"),
+    "generate_batch_size": _above(0, "positive"),
+    "generate_samples": _at_least(0, "0 (no generation) or more"),
+    "generate_eval_samples": _at_least(0, "0 (no generation) or more"),
     "lora_alpha": _above(0),
     "lora_dropout": _fraction(),
     "loss_chunk_tokens": _at_least(0),
@@ -188,15 +194,33 @@ def _unset_training_keys() -> frozenset[str]:
 
 def key_problems(values: dict, hints: dict[str, Any]) -> list[str]:
     """One message per key whose value has the wrong type, is out of range, or is not an accepted choice."""
-    problems = []
+    return type_problems(values, hints) + value_problems(values, hints)
+
+
+def _checked_keys(values: dict, hints: dict[str, Any]):
     for key, value in values.items():
         hint = hints.get(key)
         if hint is None or key in SKIPPED_TYPE_CHECK or (value is None and key in _unset_training_keys()):
             continue
+        yield key, value, hint
+
+
+def type_problems(values: dict, hints: dict[str, Any]) -> list[str]:
+    """One message per key whose value has the wrong type: what every later check assumes away."""
+    problems = []
+    for key, value, hint in _checked_keys(values, hints):
         if not _matches(value, hint):
             shown = "nothing (an empty value)" if value is None else f"{value!r} ({type(value).__name__})"
             problems.append(f"{key}: expected {_describe_type(hint)}, got {shown}")
-            continue
+    return problems
+
+
+def value_problems(values: dict, hints: dict[str, Any]) -> list[str]:
+    """One message per well-typed key whose value is empty where it must not be, out of range, or not a choice."""
+    problems = []
+    for key, value, hint in _checked_keys(values, hints):
+        if not _matches(value, hint):
+            continue  # a type problem
         if key in NOT_EMPTY and (value == "" or isinstance(value, list) and all(item == "" for item in value)):
             problems.append(f"{key}: empty; {NOT_EMPTY[key]}")
             continue

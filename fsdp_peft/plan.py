@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
-from fsdp_peft.config import PREFERENCE_KEYS, read_yaml_config, resolve_recipe_config
+from fsdp_peft.config import is_preference_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
@@ -37,7 +37,7 @@ from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import local_model_config, resolve_model_path, shipped_hub_config
-from fsdp_peft.validation import layer_checkpointing, mixed_precision_dtype
+from fsdp_peft.validation import check_keys, layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import xla_plan
 
@@ -320,6 +320,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
     """
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
+    check_keys(recipe, training)
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 1:
         raise ConfigError(f"--gpus: {ranks} is not a positive number of GPUs")
@@ -347,7 +348,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
-    preference = bool(set(PREFERENCE_KEYS) & read_yaml_config(Path(config_path)).keys())
+    preference = is_preference_config(config_path)
     if preference:  # DPO: a pair is chosen + rejected
         tokens *= 2
         notes.append(

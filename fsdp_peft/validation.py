@@ -34,7 +34,7 @@ from fsdp_peft.fsdp_settings import (
     launcher_asks_for_fsdp,
     truthy,
 )
-from fsdp_peft.keys import field_types, key_problems, unknown_choice
+from fsdp_peft.keys import field_types, key_problems, type_problems, unknown_choice, value_problems
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
 from fsdp_peft.safetensors_io import parse_size
@@ -175,16 +175,6 @@ def _model_config_is_a_causal_lm(recipe, training) -> str | None:
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def _positive_sizes(recipe, training) -> str | None:
-    for key in ("lora_r", "max_seq_length", "generate_max_new_tokens", "generate_batch_size"):
-        if getattr(recipe, key) <= 0:
-            return f"{key}: must be positive, got {getattr(recipe, key)}"
-    for key in ("generate_samples", "generate_eval_samples"):
-        if getattr(recipe, key) < 0:
-            return f"{key}: must be 0 (no generation) or more, got {getattr(recipe, key)}"
-    return None
 
 
 def _gather_budget_is_a_size(recipe, training) -> str | None:
@@ -529,7 +519,6 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _data_settings_are_known: EVERY,
     _local_model_path_exists: EVERY,
     _model_config_is_a_causal_lm: EVERY,
-    _positive_sizes: EVERY,
     _gather_budget_is_a_size: EVERY,
     _fsdp_needs_several_processes: EVERY,
     _one_activation_checkpointing: EVERY,
@@ -592,17 +581,25 @@ def model_structure_problems(recipe) -> list[str]:
     return problems
 
 
+def check_keys(recipe, training: dict) -> None:
+    """Raise one `ConfigError` listing every key of wrong type, range or choice (one per line): what a command
+    that reads the config without running it (``fsdp-peft plan``) checks."""
+    values = {**dataclasses.asdict(recipe), **training}
+    if problems := key_problems(values, field_types(type(recipe), TrainingArguments)):
+        raise ConfigError("\n       ".join(problems))
+
+
 def check_before_training(recipe, training: dict, with_model_structure: bool = False, procedure: str = SFT) -> None:
     """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line); ``with_model_structure``
     also checks the model's architecture (`model_structure_problems`).
 
-    Types, ranges and choices of single keys come first: the rules combine keys and assume well-formed ones.
+    Wrong types come first, alone: the rules combine keys and assume well-typed ones. Values out of range or
+    choice are listed with the rules' problems.
     """
-    values = {**dataclasses.asdict(recipe), **training}
-    problems = key_problems(values, field_types(type(recipe), TrainingArguments))
-    if problems:
+    values, hints = {**dataclasses.asdict(recipe), **training}, field_types(type(recipe), TrainingArguments)
+    if problems := type_problems(values, hints):
         raise ConfigError("\n       ".join(problems))
-    problems = config_problems(recipe, training, procedure)
+    problems = value_problems(values, hints) + config_problems(recipe, training, procedure)
     problems += model_structure_problems(recipe) if with_model_structure else []
     if problems:
         raise ConfigError("\n       ".join(problems))

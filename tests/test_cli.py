@@ -100,3 +100,17 @@ def test_cp_takes_a_config_name_without_its_suffix_as_tune_cp_does(tmp_path, cap
     assert capsys.readouterr().out.strip() == f"copied llama_qlora/tiny to {tmp_path / 'mine.yaml'}"
     main(["cp", "llama_qlora/tiny", str(tmp_path)])
     assert (tmp_path / "tiny.yaml").is_file()
+
+
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_an_error_is_one_whole_line_on_stderr(tmp_path, command):
+    """The error line ends with its newline, so nothing printed after it (a warning, the shell prompt) joins it."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("include: llama_qlora/llama3_1_8b.yaml\nlora_r: 0\n")
+    result = _cli(command, str(bad), *(["--gpus", "2", "--gpu-memory", "24GiB"] if command == "plan" else []))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stdout == "", result.stdout
+    assert "error: lora_r: must be positive, got 0\n" in result.stderr, repr(result.stderr)
+    assert all(line.startswith(("error: ", "warning")) or not line for line in result.stderr.split("\n")), repr(
+        result.stderr
+    )

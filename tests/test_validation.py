@@ -91,7 +91,6 @@ CASES = {
         ["--model_name_or_path", "/no/model"],
         "model_name_or_path: directory not found: /no/model",
     ),
-    "_positive_sizes": (LORA_TINY, {}, ["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
     "_attention_kernel_runs_here": (
         LORA_TINY,
         {},
@@ -357,6 +356,27 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
         procedure(["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
     lines = str(error.value).split("\n")
     assert len(lines) == 1 and lines[0].startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--generate_batch_size", "0"], "generate_batch_size: must be positive, got 0"),
+        (["--lora_r", "-4"], "lora_r: must be positive, got -4"),
+        (["--generate_samples", "-1"], "generate_samples: must be 0 (no generation) or more, got -1"),
+    ],
+)
+def test_sizes_are_single_key_ranges_refused_with_one_line_and_plan_refuses_them_too(argv, message, tmp_path):
+    from fsdp_peft.config import resolve_recipe_config
+    from fsdp_peft.validation import check_keys
+
+    with pytest.raises(ConfigError) as error:
+        parse_recipe_config(["--config", str(LORA_TINY), *argv], LORA_TINY, str(tmp_path))
+    assert str(error.value) == message
+    recipe, training, _ = resolve_recipe_config(["--config", str(LORA_TINY), *argv], LORA_TINY, str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        check_keys(recipe, training)
+    assert str(error.value) == message
 
 
 def test_the_shipped_defaults_pass_every_rule_under_both_fsdp_versions(monkeypatch, tmp_path):
