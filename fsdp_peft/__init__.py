@@ -1,10 +1,28 @@
 """fsdp-peft: LoRA and QLoRA fine-tuning recipes sharded with FSDP through the Hugging Face Trainer."""
 
 import logging
+import sys
+from importlib.abc import MetaPathFinder
 
 # bitsandbytes warns on import, on AVX512-BF16 CPUs, that it could not fetch a kernel from the hub for
 # its packed CPU weight layout. fsdp-peft switches that layout off (it corrupts FSDP shards, see
 # fsdp_peft.modeling.disable_cpu_weight_repacking), so the warning only misleads.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+class _BitsandbytesImport(MetaPathFinder):
+    """Imports bitsandbytes' default backend through `fsdp_peft._compat.bitsandbytes_compiling_module_spec` (its
+    compiler is loaded on first use, not at import); every other module is left to the other finders."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "bitsandbytes.backends.default.ops":
+            return None
+        from fsdp_peft._compat import bitsandbytes_compiling_module_spec  # torch is loaded by now (bitsandbytes)
+
+        return bitsandbytes_compiling_module_spec(name, path, target)
+
+
+if not any(isinstance(finder, _BitsandbytesImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _BitsandbytesImport())
 
 __version__ = "0.1.0"

@@ -15,6 +15,8 @@ import contextlib
 import functools
 import gc
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
@@ -77,6 +79,14 @@ class Upstream:
 
 
 UPSTREAM: tuple[Upstream, ...] = (
+    Upstream(
+        "bitsandbytes.backends.default.ops:_try_torch_compile",
+        ("func",),
+        "fsdp_peft._compat.bitsandbytes_compiling_module_spec",
+        "bitsandbytes builds its torch.compile wrappers at import: dynamo and inductor load in every process",
+        "bitsandbytes compiles lazily, on the first call",
+        mentions=("torch.compile",),
+    ),
     Upstream(
         "transformers.trainer:update_fsdp_plugin_peft",
         ("model", "accelerator"),
@@ -795,6 +805,78 @@ def process_groups_released() -> list[str]:
         mesh._pg_registry.clear()
     gc.collect()
     return process_group_threads()
+
+
+BITSANDBYTES_COMPILING_MODULE = "bitsandbytes.backends.default.ops"
+BITSANDBYTES_WINDOW = ("0.50.2", "0.51")
+
+
+@contextlib.contextmanager
+def torch_compile_deferred():
+    """``torch.compile(fn, **options)`` inside returns a function that compiles ``fn`` with those options on its first
+    call, as ``torch.compile`` itself does, but without loading the compiler (dynamo, inductor) until then."""
+    compile_now = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # used as ``@torch.compile(**options)``
+            return lambda function: deferred(function, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def compiled_on_first_call(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return compiled_on_first_call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = compile_now
+
+
+class _CompileDeferringLoader(importlib.abc.Loader):
+    """The module's own loader (every other attribute passes through), executing it under `torch_compile_deferred`."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        with torch_compile_deferred():
+            self.loader.exec_module(module)
+
+
+@patch(
+    "bitsandbytes",
+    BITSANDBYTES_WINDOW,
+    still_needed=lambda: "torch.compile(fn" in _source_of("bitsandbytes.backends.default.ops:_try_torch_compile"),
+)
+def bitsandbytes_compiling_module_spec(name: str, path, target=None):
+    """The import spec of bitsandbytes' default backend with its loader wrapped: the module runs under
+    `torch_compile_deferred` (``fsdp_peft/__init__.py`` asks for it as the module is imported); ``None`` (import
+    as is) for any other module or outside the verified release window.
+
+    Why: bitsandbytes 0.50 wraps four default-backend kernels in ``torch.compile`` at import time
+    (``_try_torch_compile``), which loads dynamo's tracer and inductor in every process that imports peft, even
+    when those kernels never run (on GPUs the CUDA backend serves them): measured 1.6 s of each rank's 9.7 s
+    of imports here. Compiling on the first call is what ``torch.compile`` does anyway, and bitsandbytes'
+    wrapper still falls back to the eager kernel if that compile fails.
+    Remove when: bitsandbytes compiles its default kernels lazily.
+    """
+    if name != BITSANDBYTES_COMPILING_MODULE or _window_problem("bitsandbytes", BITSANDBYTES_WINDOW, name):
+        return None
+    spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+    if spec is not None and spec.loader is not None:
+        spec.loader = _CompileDeferringLoader(spec.loader)
+    return spec
 
 
 def process_group_threads() -> list[str]:

@@ -227,3 +227,42 @@ def test_a_run_joins_its_process_group_threads_before_the_interpreter_ends():
     assert threads["training"] == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]
     assert threads["after_torch_destroy"] == threads["training"]
     assert threads["after_release"] == []
+
+
+def test_torch_compile_deferred_compiles_on_the_first_call_with_the_same_options():
+    calls, compile_now = [], torch.compile
+
+    def twice(x):
+        calls.append(1)
+        return 2 * x
+
+    with _compat.torch_compile_deferred():
+        deferred = torch.compile(twice, backend="eager", dynamic=False)
+        decorated = torch.compile(backend="eager")(twice)
+    assert torch.compile is compile_now  # restored on leaving
+    assert deferred.__wrapped__ is twice and decorated.__wrapped__ is twice and not calls  # nothing compiled yet
+    x = torch.arange(4.0)
+    assert torch.equal(deferred(x), 2 * x) and torch.equal(decorated(x), 2 * x) and calls
+
+
+@pytest.mark.slow
+def test_a_rank_imports_no_compiler_and_bitsandbytes_kernels_still_compile_and_match_eager(tmp_path):
+    """bitsandbytes' default backend imported through fsdp_peft: inductor stays unloaded until a kernel runs; the
+    kernel then compiles (inductor, on this CPU) and equals its eager function."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "import fsdp_peft.recipe  # everything a recipe's rank imports\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "from bitsandbytes.backends.default import ops\n"
+        "A = torch.randint(0, 256, (256,), dtype=torch.uint8)\n"
+        "absmax, code = torch.rand(4), torch.linspace(-1, 1, 256)\n"
+        "out = ops._dequantize_blockwise_compute(A, absmax, code, 64, torch.float32)\n"
+        "assert 'torch._inductor.compile_fx' in sys.modules  # compiled on the first call\n"
+        "eager = ops._dequantize_blockwise_compute.__wrapped__(A, absmax, code, 64, torch.float32)\n"
+        "assert torch.equal(out, eager)\n"
+        "print('ok')\n"
+    )
+    result = run_command([sys.executable, str(script)])
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
