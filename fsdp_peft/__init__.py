@@ -17,7 +17,7 @@ class _BitsandbytesImport(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "bitsandbytes.backends.default.ops":
             return None
-        from fsdp_peft._compat import bitsandbytes_compiling_module_spec  # torch is loaded by now (bitsandbytes)
+        from fsdp_peft._compat import bitsandbytes_compiling_module_spec  # lazy: ls/cp must not import torch
 
         return bitsandbytes_compiling_module_spec(name, path, target)
 

@@ -16,10 +16,9 @@ from typing import Callable
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
+from fsdp_peft.runs import LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 from fsdp_peft.validation import PREFERENCE, SFT
 
-LOSS_CURVE_FILE = "loss_curve.png"
-RESULTS_FILE = "results.json"
 PREFIX = "[fsdp-peft] "
 
 
@@ -103,7 +102,7 @@ def sft_details(results: dict, output_dir: Path) -> list[str]:
             f"exact match on {results['generated_samples']} held-out prompts: "
             f"before training {before_text}, after {results['exact_match_after']:.3f}"
         )
-        lines.append(f"samples: {output_dir / 'samples.jsonl'}")
+        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
     return lines
 
 
@@ -126,7 +125,7 @@ def preference_details(results: dict, output_dir: Path) -> list[str]:
         shown = "n/a (resumed)" if generation_before is None else _closer_to(generation_before)
         lines.append(f"greedy generation on {generation_after['prompts']} held-out prompts, closer to chosen/rejected:")
         lines.append(f"  before {shown}; after {_closer_to(generation_after)}")
-        lines.append(f"samples: {output_dir / 'samples.jsonl'}")
+        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
     return lines
 
 

@@ -53,6 +53,7 @@ from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch
 from fsdp_peft.new_tokens import grown_layout, read_new_tokens, write_grown_model_files
 from fsdp_peft.paths import checkpoint_quantization
+from fsdp_peft.runs import RESULTS_FILE
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
     StreamingShardWriter,
@@ -389,7 +390,7 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
     ]
     if adapter.recipe:
         lines += ["", "## Recipe config", "", "```json", json.dumps(adapter.recipe, indent=1, sort_keys=True), "```"]
-    results = read_json(adapter.origin.parent / "results.json")
+    results = read_json(adapter.origin.parent / RESULTS_FILE)
     if results:
         lines += ["", "## Training summary", "", "```json", json.dumps(results, indent=1), "```"]
     return "\n".join(lines) + "\n"

@@ -29,6 +29,7 @@ from fsdp_peft.data import Example, render_example_prompt
 from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.fsdp_layout import is_sharded
 from fsdp_peft.log import logger
+from fsdp_peft.runs import EVAL_SAMPLES_FILE
 from fsdp_peft.safetensors_io import parse_size
 
 
@@ -251,7 +252,7 @@ class SamplesAtEvaluation(TrainerCallback):
         if completions is None:
             return
         lines = [f"samples at step {state.global_step}:"]
-        with open(Path(args.output_dir) / "eval_samples.jsonl", "a") as handle:
+        with open(Path(args.output_dir) / EVAL_SAMPLES_FILE, "a") as handle:
             for example, completion in zip(self.examples, completions):
                 handle.write(json.dumps({"step": state.global_step, **_sample_row(example, completion)}) + "\n")
                 lines.append(f"  {example.prompt!r} -> {completion!r} (expected {example.completion!r})")

@@ -33,7 +33,7 @@ from fsdp_peft.recipe import (
     parse_recipe_config,
     start_training,
 )
-from fsdp_peft.runs import PREFERENCE_DATA_DIR
+from fsdp_peft.runs import PREFERENCE_DATA_DIR, SAMPLES_FILE
 from fsdp_peft.trainer import PeftFsdpMixin
 from fsdp_peft.validation import KTO_LOSS_TYPES, PREFERENCE
 
@@ -260,7 +260,7 @@ def run_preference(name: str, default_config: Path, argv: list[str] | None) -> d
         pairs = held_out_pairs(trainer.eval_dataset, len(samples))
         batch_size = training.per_device_eval_batch_size
         after = held_out_preference(trainer, pairs, batch_size, output_dir / "held_out_after.jsonl")
-        samples_path = output_dir / "samples.jsonl"
+        samples_path = output_dir / SAMPLES_FILE
         generation = generation_preference(trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path)
         return {
             "loss_name": "KTO" if unpaired else "DPO",

@@ -32,7 +32,7 @@ from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import build_model, load_tokenizer
-from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
+from fsdp_peft.runs import SAMPLES_FILE, die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 from fsdp_peft.validation import SFT, check_before_training
 from fsdp_peft.xla import start_xla_runtime
@@ -127,7 +127,7 @@ def _run_recipe(name: str, default_config: Path, argv: list[str] | None) -> dict
         after = None
         eval_loss = trainer.evaluate().get("eval_loss") if eval_data is not None else None
         if samples:
-            path = output_dir / "samples.jsonl"
+            path = output_dir / SAMPLES_FILE
             after = evaluate_exact_match(trainer.model, tokenizer, samples, recipe, trainer.args.device, path)
         return {
             "eval_loss": eval_loss,

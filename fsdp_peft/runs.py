@@ -56,14 +56,18 @@ LOCK_FILE = ".fsdp_peft.lock"
 START_FILE = ".fsdp_peft_start.json"  # the journal of a start that has not taken its first step yet
 SET_ASIDE_DIR = ".fsdp_peft_replaced"  # what a start replaces, until its first step
 PREFERENCE_DATA_DIR = ".preference_data"  # fsdp_peft.preference: the data TRL reads, written anew by every start
+RESULTS_FILE = "results.json"  # a finished run's figures (fsdp_peft.ending); export and the tests read it
+SAMPLES_FILE = "samples.jsonl"  # the held-out prompts' completions after training
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # completions at each evaluation (fsdp_peft.generation)
+LOSS_CURVE_FILE = "loss_curve.png"
 RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
     "adapter",
     "merged",
-    "results.json",
+    RESULTS_FILE,
     "trainer_state.json",
-    "samples.jsonl",
-    "eval_samples.jsonl",
-    "loss_curve.png",
+    SAMPLES_FILE,
+    EVAL_SAMPLES_FILE,
+    LOSS_CURVE_FILE,
     "fsdp_layout.json",
     "memory.json",
     "held_out_before.jsonl",
