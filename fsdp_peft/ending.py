@@ -16,7 +16,7 @@ from typing import Callable
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.runs import LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
+from fsdp_peft.run_files import LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 from fsdp_peft.validation import PREFERENCE, SFT
 
 PREFIX = "[fsdp-peft] "

@@ -53,7 +53,7 @@ from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch
 from fsdp_peft.new_tokens import grown_layout, read_new_tokens, write_grown_model_files
 from fsdp_peft.paths import checkpoint_quantization
-from fsdp_peft.runs import RESULTS_FILE
+from fsdp_peft.run_files import RESULTS_FILE
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
     StreamingShardWriter,

@@ -33,7 +33,8 @@ from fsdp_peft.recipe import (
     parse_recipe_config,
     start_training,
 )
-from fsdp_peft.runs import PREFERENCE_DATA_DIR, SAMPLES_FILE
+from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin
 from fsdp_peft.validation import KTO_LOSS_TYPES, PREFERENCE
 

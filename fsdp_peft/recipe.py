@@ -32,7 +32,8 @@ from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.generation import ExactMatchBeforeTraining, SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import build_model, load_tokenizer
-from fsdp_peft.runs import SAMPLES_FILE, die_with_the_launcher, release_output_dir, start_run
+from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
 from fsdp_peft.validation import SFT, check_before_training
 from fsdp_peft.xla import start_xla_runtime

@@ -49,6 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
+from fsdp_peft.run_files import EVAL_SAMPLES_FILE, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 
 RUN_FILE = "fsdp_peft_run.json"
 EVA_INIT_FILE = "eva_init.safetensors"  # init_lora_weights: eva's initial lora_A rows (fsdp_peft.eva)
@@ -56,10 +57,6 @@ LOCK_FILE = ".fsdp_peft.lock"
 START_FILE = ".fsdp_peft_start.json"  # the journal of a start that has not taken its first step yet
 SET_ASIDE_DIR = ".fsdp_peft_replaced"  # what a start replaces, until its first step
 PREFERENCE_DATA_DIR = ".preference_data"  # fsdp_peft.preference: the data TRL reads, written anew by every start
-RESULTS_FILE = "results.json"  # a finished run's figures (fsdp_peft.ending); export and the tests read it
-SAMPLES_FILE = "samples.jsonl"  # the held-out prompts' completions after training
-EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # completions at each evaluation (fsdp_peft.generation)
-LOSS_CURVE_FILE = "loss_curve.png"
 RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
     "adapter",
     "merged",

@@ -24,9 +24,11 @@ from transformers import AutoTokenizer, TrainingArguments
 from fsdp_peft import data
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import cache
+from fsdp_peft.distributed import start_process_group
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.paths import tiny_model_path
 
+start_process_group()  # as the recipes do: the group is torn down at exit while the interpreter is whole
 built = []
 original = cache.build
 cache.build = lambda *args, **kwargs: (built.append(1), original(*args, **kwargs))[1]

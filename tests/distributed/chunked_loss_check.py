@@ -20,9 +20,11 @@ from transformers import TrainerCallback, set_seed
 
 from fsdp_peft.config import RecipeArguments, build_training_arguments
 from fsdp_peft.data import data_collator, load_data
+from fsdp_peft.distributed import start_process_group
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
 from fsdp_peft.trainer import PeftFsdpTrainer
 
+start_process_group()  # the group the Trainer then uses, torn down at exit while the interpreter is whole
 OUT = sys.argv[sys.argv.index("--out") + 1]
 SETUPS = {
     "packing": {"packing": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2},

@@ -1,0 +1,10 @@
+"""The names of the files a run writes into its ``output_dir``, defined once for the modules that write and read them.
+
+Kept apart from `fsdp_peft.runs` (which imports transformers) so that ``fsdp-peft export`` can read a run's
+results without importing transformers, peft or bitsandbytes.
+"""
+
+RESULTS_FILE = "results.json"  # a finished run's figures (fsdp_peft.ending); export and the tests read it
+SAMPLES_FILE = "samples.jsonl"  # the held-out prompts' completions after training
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # completions at each evaluation (fsdp_peft.generation)
+LOSS_CURVE_FILE = "loss_curve.png"
