@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
-from fsdp_peft.config import is_preference_config, resolve_recipe_config
+from fsdp_peft.config import PREFERENCE, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
@@ -348,7 +348,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
-    preference = is_preference_config(config_path)
+    preference = procedure_of_config(config_path) == PREFERENCE
     if preference:  # DPO: a pair is chosen + rejected
         tokens *= 2
         notes.append(

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
-from fsdp_peft.config import GATHER_BUDGET_HELP
+from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
@@ -397,8 +397,54 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: u
 
 
 def _preference_loss_is_known(recipe, training) -> str | None:
-    if recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
+    if recipe.loss_type is not None and recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
         return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
+    return None
+
+
+def _preference_beta_is_positive(recipe, training) -> str | None:
+    if recipe.beta is not None and recipe.beta <= 0:
+        return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
+    return None
+
+
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # trl 1.16 GRPOConfig
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _rl_loss_is_known(recipe, training) -> str | None:
+    if recipe.loss_type is not None and recipe.loss_type not in GRPO_LOSS_TYPES:
+        return unknown_choice("loss_type", recipe.loss_type, GRPO_LOSS_TYPES)
+    if recipe.scale_rewards not in SCALE_REWARDS:
+        return unknown_choice("scale_rewards", recipe.scale_rewards, SCALE_REWARDS)
+    return None
+
+
+def _rl_has_rewards(recipe, training) -> str | None:
+    if not recipe.reward_funcs:
+        return "reward_funcs: empty; GRPO needs at least one reward function (exact_answer, math_answer, math_format)"
+    if recipe.reward_weights is not None and len(recipe.reward_weights) != len(recipe.reward_funcs):
+        return (
+            f"reward_weights: {len(recipe.reward_weights)} weights for {len(recipe.reward_funcs)} reward functions; "
+            "give one weight per function, or none (1.0 each)"
+        )
+    return None
+
+
+def _rl_groups_fill_the_batch(recipe, training) -> str | None:
+    """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
+    over ``steps_per_generation`` micro-steps); a group must not be cut."""
+    if recipe.num_generations < 2:
+        return f"num_generations: {recipe.num_generations}; GRPO compares completions of one prompt, so at least 2"
+    per_rank = int(training.get("per_device_train_batch_size") or 8)
+    steps = recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1)
+    batch = per_rank * ranks().world_size * steps
+    if batch % recipe.num_generations:
+        return (
+            f"num_generations: {recipe.num_generations} does not divide the generation batch of {batch} completions "
+            f"(per_device_train_batch_size {per_rank} x {ranks().world_size} ranks x steps_per_generation {steps}); "
+            "change one of them"
+        )
     return None
 
 
@@ -506,8 +552,7 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
     return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
 
 
-SFT, PREFERENCE = "sft", "preference"  # the procedures (`fsdp_peft.recipe`, `fsdp_peft.preference`)
-EVERY = (SFT, PREFERENCE)
+EVERY = (SFT, PREFERENCE, RL)
 
 # Every rule, with the procedures it guards, in the order its problems are reported.
 RULES: dict[Callable, tuple[str, ...]] = {
@@ -532,14 +577,18 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _cpu_mode_cannot_load_on_rank_0_only: EVERY,
     _checkpoints_are_finished_by_one_rank: EVERY,
     _parallelism_config_fills_the_launch: EVERY,
-    _preference_loss_is_known: EVERY,
+    _preference_loss_is_known: (SFT, PREFERENCE),
+    _preference_beta_is_positive: (PREFERENCE,),
+    _rl_loss_is_known: (RL,),
+    _rl_has_rewards: (RL,),
+    _rl_groups_fill_the_batch: (RL,),
     _reference_is_the_adapter_disabled_model: EVERY,
     _precomputed_reference_sees_the_weights: EVERY,
-    _preference_runs_off_xla: (PREFERENCE,),
-    _preference_runs_without_eva: (PREFERENCE,),
-    _preference_runs_under_fsdp2: (PREFERENCE,),
-    _preference_qlora_does_not_accumulate_under_fsdp: (PREFERENCE,),
-    _xla_route_can_run: (SFT,),  # the preference recipes refuse XLA outright
+    _preference_runs_off_xla: (PREFERENCE, RL),
+    _preference_runs_without_eva: (PREFERENCE, RL),
+    _preference_runs_under_fsdp2: (PREFERENCE, RL),
+    _preference_qlora_does_not_accumulate_under_fsdp: (PREFERENCE, RL),
+    _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,
