@@ -125,6 +125,10 @@ def model_flops_per_token(model, seq: int) -> float:
 
 def run_one(args) -> dict:
     """One measured run in this process: ``args.impl`` on ``args.shape`` with ``args.method``."""
+    # isort: off
+    import fsdp_peft  # noqa: F401  first: its import hook keeps bitsandbytes' compiler out of the start
+
+    # isort: on
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 

@@ -33,20 +33,24 @@ if [[ -z "$DRY_RUN" ]]; then
     fi
 fi
 
-if ! "$PYTHON" -c "import fsdp_peft, torch, transformers, accelerate, peft, bitsandbytes, datasets" 2>/dev/null; then
+versions() {  # one Python start: the import check and the versions line (fsdp_peft first: its import hook)
+    "$PYTHON" - <<'EOF'
+import fsdp_peft
+import torch, transformers, accelerate, peft, bitsandbytes, datasets
+print("[gpu_check] torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__,
+      "| accelerate", accelerate.__version__, "| peft", peft.__version__, "| bitsandbytes", bitsandbytes.__version__)
+print("[gpu_check] GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)")
+EOF
+}
+if ! versions 2>/dev/null; then
     echo "[gpu_check] installing fsdp-peft and its dependencies (pip install -e .)"
     timeout 180 "$PYTHON" -m pip install --quiet -e . || {
         echo "[gpu_check] pip install failed (no network?): install torch (CUDA build), transformers, accelerate," \
              "peft, bitsandbytes, datasets and this repository, then rerun" >&2
         exit 4
     }
+    versions
 fi
-"$PYTHON" - <<'EOF'
-import torch, transformers, accelerate, peft, bitsandbytes
-print("[gpu_check] torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__,
-      "| accelerate", accelerate.__version__, "| peft", peft.__version__, "| bitsandbytes", bitsandbytes.__version__)
-print("[gpu_check] GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)")
-EOF
 
 LEFT=$(( TOTAL_SECONDS - ($(date +%s) - STARTED) ))
 BUDGET=$(( LEFT - 20 ))    # seconds the runs may use; the driver stops starting runs when it is spent
