@@ -76,11 +76,13 @@ def start_from_trained_adapter(peft_model, source: Path) -> None:
     every LoRA tensor of the model must come from it, in the dtype the model keeps them in."""
     adapter = find_adapter(source)
     config = peft_model.peft_config[peft_model.active_adapter]
-    for key, ours in (("r", config.r), ("lora_alpha", config.lora_alpha), ("use_dora", config.use_dora)):
+    # peft's name for each setting, and the recipe key that sets it
+    for key, recipe_key in (("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("use_dora", "use_dora")):
+        ours = getattr(config, key)
         if adapter.config.get(key, ours) != ours:
             raise ConfigError(
-                f"adapter_name_or_path: {adapter.origin} was trained with {key} {adapter.config.get(key)}, this "
-                f"recipe has {ours}; set {key}: {adapter.config.get(key)} to continue from it"
+                f"adapter_name_or_path: {adapter.origin} was trained with {recipe_key} {adapter.config.get(key)}, "
+                f"this recipe has {ours}; set {recipe_key}: {adapter.config.get(key)} to continue from it"
             )
     dtypes = {name: p.dtype for name, p in peft_model.named_parameters() if p.requires_grad}
     loaded = set_peft_model_state_dict(peft_model, adapter.tensors)

@@ -122,21 +122,29 @@ def reward_name(function: Callable) -> str:
     return getattr(function, "__name__", type(function).__name__)
 
 
-def check_reward_funcs(
-    functions: Sequence[Callable], names: Sequence[str], rows: list[dict], completion_ids: list[list[int]]
-) -> None:
-    """Call each reward function as TRL will, on ``rows`` (the first training rows: ``prompt`` and the other
-    columns) with their answers as completions; one `ConfigError` line for the first one that fails."""
+def reward_arguments(rows: list[dict], completions: list, completion_ids: list[list[int]]) -> dict:
+    """The keyword arguments TRL calls a reward function with, for ``rows`` (``prompt`` and the dataset's other
+    columns) and their completions; outside a trainer, ``trainer_state`` is ``None`` and the log hooks do nothing."""
     columns = {column: [row[column] for row in rows] for column in rows[0] if column not in ("prompt", "completion")}
-    arguments = {
+    return {
         "prompts": [row["prompt"] for row in rows],
-        "completions": [_as_completion(row["prompt"], row.get("answer", "")) for row in rows],
+        "completions": completions,
         "completion_ids": completion_ids,
         "trainer_state": None,
         "log_extra": lambda *args, **kwargs: None,
         "log_metric": lambda *args, **kwargs: None,
         **columns,
     }
+
+
+def check_reward_funcs(
+    functions: Sequence[Callable], names: Sequence[str], rows: list[dict], completion_ids: list[list[int]]
+) -> None:
+    """Call each reward function as TRL will, on ``rows`` (the first training rows: ``prompt`` and the other
+    columns) with their answers as completions; one `ConfigError` line for the first one that fails."""
+    completions = [_as_completion(row["prompt"], row.get("answer", "")) for row in rows]
+    arguments = reward_arguments(rows, completions, completion_ids)
+    columns = [key for key in arguments if key not in TRL_KEYWORDS]
     for function, name in zip(functions, names):
         where = f"reward_funcs: {name}"
         try:

@@ -41,7 +41,7 @@ from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import build_model
 from fsdp_peft.preference import ReferenceWithoutCopy
 from fsdp_peft.recipe import parse_recipe_config, start_training
-from fsdp_peft.rewards import check_reward_funcs, resolve_reward_funcs
+from fsdp_peft.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
 from fsdp_peft.run_files import SAMPLES_FILE
 from fsdp_peft.trainer import PeftFsdpMixin
 
@@ -137,9 +137,12 @@ def held_out_rewards(
     if completions is None:
         return None
     answers = [e.completion for e in examples]
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    arguments = reward_arguments(rows, completions, ids)
     means = {}
     for function, name in zip(functions, names):
-        values = [v for v in function(prompts=prompts, completions=completions, answer=answers) if v is not None]
+        values = [v for v in function(**arguments) if v is not None]
         means[name] = sum(values) / len(values) if values else None
     hits = [c.strip() == a.strip() for c, a in zip(completions, answers)]
     if samples_path is not None:

@@ -448,6 +448,24 @@ def _rl_groups_fill_the_batch(recipe, training) -> str | None:
     return None
 
 
+def _rl_checkpoints_on_generation_boundaries(recipe, training) -> str | None:
+    """TRL regenerates rollouts every ``steps_per_generation x num_iterations`` micro-steps and keeps the batch in
+    memory between; a checkpoint does not hold it, so a run resumed mid-cycle would train on new rollouts where the
+    uninterrupted one reuses the old. Checkpoints on cycle boundaries resume exactly (the RNG states restored)."""
+    if str(training.get("save_strategy") or "steps") != "steps":
+        return None
+    accumulation = int(training.get("gradient_accumulation_steps") or 1)
+    cycle = (recipe.steps_per_generation or accumulation) * recipe.num_iterations
+    save_steps = float(training.get("save_steps") or 500)  # below 1: a fraction of the run, not checked here
+    if save_steps >= 1 and int(save_steps) * accumulation % cycle:
+        return (
+            f"save_steps: {save_steps:g} puts checkpoints inside a rollout cycle of {cycle} micro-steps "
+            f"(steps_per_generation x num_iterations), which a resume cannot repeat; use a multiple of "
+            f"{cycle // math.gcd(cycle, accumulation)} optimizer steps"
+        )
+    return None
+
+
 def _reference_is_the_adapter_disabled_model(recipe, training) -> str | None:
     if recipe.ref_model:
         return (
@@ -467,46 +485,46 @@ def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
     return None
 
 
-def _preference_runs_off_xla(recipe, training) -> str | None:
+def _trl_recipes_run_off_xla(recipe, training) -> str | None:
     """The TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only."""
     if on_xla():
         return (
-            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference and GRPO recipes do not run on XLA (TPU) yet; "
             "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
         )
     return None
 
 
-def _preference_runs_without_eva(recipe, training) -> str | None:
+def _trl_recipes_run_without_eva(recipe, training) -> str | None:
     if recipe.init_lora_weights == "eva":
         return (
-            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do "
-            "not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
+            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
+            "recipes do not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
         )
     return None
 
 
-def _preference_runs_under_fsdp2(recipe, training) -> str | None:
+def _trl_recipes_run_under_fsdp2(recipe, training) -> str | None:
     """TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused,
     chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for
     storage of size 0"); FSDP2 gathers the head's unit around the whole forward."""
     settings = fsdp_settings_for_rules(training)
     if settings is not None and settings.version == 1:
         return (
-            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
-            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+            "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit, "
+            "where it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
         )
     return None
 
 
-def _preference_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
+def _trl_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
     """Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
     "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine)."""
     accumulation = training.get("gradient_accumulation_steps", 1)
     if recipe.load_in_4bit and int(accumulation or 1) > 1 and fsdp_settings_for_rules(training) is not None:
         return (
             f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
-            "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
+            "fails in TRL's preference and GRPO trainers' backward; set gradient_accumulation_steps: 1 and raise "
             "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
         )
     return None
@@ -582,12 +600,13 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _rl_loss_is_known: (RL,),
     _rl_has_rewards: (RL,),
     _rl_groups_fill_the_batch: (RL,),
+    _rl_checkpoints_on_generation_boundaries: (RL,),
     _reference_is_the_adapter_disabled_model: EVERY,
     _precomputed_reference_sees_the_weights: EVERY,
-    _preference_runs_off_xla: (PREFERENCE, RL),
-    _preference_runs_without_eva: (PREFERENCE, RL),
-    _preference_runs_under_fsdp2: (PREFERENCE, RL),
-    _preference_qlora_does_not_accumulate_under_fsdp: (PREFERENCE, RL),
+    _trl_recipes_run_off_xla: (PREFERENCE, RL),
+    _trl_recipes_run_without_eva: (PREFERENCE, RL),
+    _trl_recipes_run_under_fsdp2: (PREFERENCE, RL),
+    _trl_qlora_does_not_accumulate_under_fsdp: (PREFERENCE, RL),
     _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,

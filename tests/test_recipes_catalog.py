@@ -86,7 +86,7 @@ def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelera
             with pytest.raises(SystemExit) as exited:
                 cli.main(command)
             assert exited.value.code == 2, config
-            assert "error: fsdp_version: 1: TRL's preference trainers" in capsys.readouterr().err, config
+            assert "error: fsdp_version: 1: TRL's preference and GRPO trainers" in capsys.readouterr().err, config
             continue
         cli.main(command)
         assert capsys.readouterr().out.strip().endswith(f"ok under {accelerate}")
