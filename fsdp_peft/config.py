@@ -113,7 +113,9 @@ class RecipeArguments:
     eval_split: float = field(
         default=0.0, metadata={"help": "fraction of train rows held out when no eval data is given"}
     )
-    max_seq_length: int = field(default=1024, metadata={"help": "tokens per example (per packed row with packing)"})
+    max_seq_length: int = field(
+        default=1024, metadata={"help": "tokens per example (per packed row with packing; GRPO: per prompt)"}
+    )
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})

@@ -100,7 +100,8 @@ def parse_rl_config(argv: list[str], default_config: Path, default_output_dir: s
 
 def read_prompts(source, tokenizer, recipe: RecipeArguments) -> tuple[list[dict], list[Example]]:
     """Every row of ``source`` as ``{"prompt": rendered prompt, "answer": expected completion}``, and as the
-    held-out examples generation scores (a chat ends before its last answer, which is the expected one)."""
+    held-out examples generation scores (a chat ends before its last answer, which is the expected one). A prompt
+    longer than ``max_seq_length`` tokens is refused (skipped with ``skip_invalid_rows``): the plan counts on it."""
     examples, dropped = source_examples(source, recipe.data_format, recipe.skip_invalid_rows)
     if dropped:
         logger.warning(f"{source}: skipped {describe_dropped(dropped)} rows (skip_invalid_rows: true)")
@@ -111,6 +112,18 @@ def read_prompts(source, tokenizer, recipe: RecipeArguments) -> tuple[list[dict]
         {"prompt": render_example_prompt(tokenizer, e, recipe.use_chat_template), "answer": e.completion}
         for e in examples
     ]
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    too_long = [i for i, length in enumerate(lengths) if length > recipe.max_seq_length]
+    if too_long and not recipe.skip_invalid_rows:
+        raise ConfigError(
+            f"{source}: row {too_long[0] + 1}: its prompt has {lengths[too_long[0]]} tokens, above max_seq_length "
+            f"{recipe.max_seq_length} ({len(too_long)} such rows); raise max_seq_length, shorten the prompts, or "
+            "set skip_invalid_rows: true"
+        )
+    if too_long:
+        logger.warning(f"{source}: skipped {len(too_long)} rows whose prompt is longer than max_seq_length")
+        kept = [i for i in range(len(rows)) if i not in set(too_long)]
+        rows, examples = [rows[i] for i in kept], [examples[i] for i in kept]
     return rows, examples
 
 

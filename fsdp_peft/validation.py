@@ -489,8 +489,8 @@ def _trl_recipes_run_off_xla(recipe, training) -> str | None:
     """The TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only."""
     if on_xla():
         return (
-            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference and GRPO recipes do not run on XLA (TPU) yet; "
-            "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference and GRPO recipes do not run on XLA (TPU) "
+            "yet; run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
         )
     return None
 

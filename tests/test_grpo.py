@@ -205,3 +205,34 @@ def test_an_adapter_of_another_rank_is_refused_with_one_line_and_output_dir_left
         "continue from it"
     ]
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
+    from fsdp_peft.plan import load_model_config, plan_memory
+
+    config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+    plan = plan_memory(config, 2, 80 * 2**30)
+    model = load_model_config("tiny-llama")
+    head_size = model.hidden_size // model.num_attention_heads
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_size * 4  # fp32 keys and values
+    assert plan.tokens_per_rank == 32 * (64 + 8)  # per_device_train_batch_size x (max_seq_length + completion)
+    assert plan.gpu["rollouts: KV cache, transient (est.)"] == 32 * (64 + 8) * per_token
+    assert any(note.startswith("GRPO: each rank samples 32 completions per generate call") for note in plan.notes)
+
+
+def test_a_prompt_longer_than_max_seq_length_is_refused_with_its_row_or_skipped(tmp_path):
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.data.sources import Source
+    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.modeling import load_tokenizer
+    from fsdp_peft.rl import read_prompts
+
+    rows = [{"prompt": "reverse: abcde", "completion": "edcba"}, {"prompt": "reverse: " + "a" * 40, "completion": "a"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = Source(files=(tmp_path / "train.jsonl",))
+    recipe = RecipeArguments(model_name_or_path="tiny-llama", max_seq_length=30, use_chat_template=False)
+    tokenizer = load_tokenizer(recipe)
+    with pytest.raises(ConfigError, match=r"row 2: its prompt has 49 tokens, above max_seq_length 30 \(1 such rows\)"):
+        read_prompts(path, tokenizer, recipe)
+    kept, examples = read_prompts(path, tokenizer, RecipeArguments(**{**vars(recipe), "skip_invalid_rows": True}))
+    assert [row["answer"] for row in kept] == ["edcba"] and len(examples) == 1

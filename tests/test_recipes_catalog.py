@@ -26,7 +26,8 @@ RECIPE_CONFIGS = sorted(
     p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "accelerate" and not p.name.startswith("tpu_")
 )
 REAL_CONFIGS = [p for p in RECIPE_CONFIGS if p.name != "tiny.yaml"]
-SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith("_dpo")]  # DPO: tests/test_preference.py
+# DPO: tests/test_preference.py; GRPO: tests/test_grpo.py
+SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith(("_dpo", "_grpo"))]
 GPU_ACCELERATE_CONFIGS = ["fsdp2.yaml", "fsdp2_offload.yaml", "fsdp1.yaml"]
 ROW_TOKENS = 24  # every tiny-reverse row: bos, <|user|>, "reverse: abcde", eos, <|assistant|>, 5 letters, eos
 REQUIRED_REAL = {
@@ -49,7 +50,7 @@ def _family_prefix(recipe: str) -> str:
 def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_path):
     recipes = sorted(p.stem for p in RECIPES.glob("*.py"))
     sft = [f"{f}_{k}" for f in ("llama", "mistral", "qwen") for k in ("lora", "qlora")]
-    assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo"])
+    assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo", "llama_grpo", "qwen_grpo"])
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
@@ -82,7 +83,7 @@ def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelera
     fsdp1 = yaml.safe_load(accelerate.read_text())["fsdp_config"]["fsdp_version"] == 1
     for config in REAL_CONFIGS:
         command = ["validate", str(config), "--accelerate-config", str(accelerate)]
-        if fsdp1 and config.parent.name.endswith("_dpo"):
+        if fsdp1 and config.parent.name.endswith(("_dpo", "_grpo")):
             with pytest.raises(SystemExit) as exited:
                 cli.main(command)
             assert exited.value.code == 2, config

@@ -193,7 +193,8 @@ CASES = {
         GRPO_TINY,
         {},
         ["--save_strategy", "steps", "--save_steps", "3", "--steps_per_generation", "2"],
-        "save_steps: 3 puts checkpoints inside a rollout cycle of 2 micro-steps (steps_per_generation x num_iterations)",
+        "save_steps: 3 puts checkpoints inside a rollout cycle of 2 micro-steps (steps_per_generation x "
+        "num_iterations), which a resume cannot repeat; use a multiple of 2 optimizer steps",
     ),
     "_reference_is_the_adapter_disabled_model": (
         DPO_TINY,
@@ -218,7 +219,8 @@ CASES = {
         DPO_TINY,
         {},
         ["--init_lora_weights", "eva"],
-        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO recipes do not",
+        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
+        "recipes do not",
     ),
     "_trl_recipes_run_under_fsdp2": (
         DPO_TINY,
@@ -230,7 +232,8 @@ CASES = {
         DPO_TINY,
         ACCELERATE_FSDP2,
         ["--load_in_4bit", "true", "--bf16", "true", "--gradient_accumulation_steps", "2"],
-        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in TRL's preference and GRPO trainers' backward",
+        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in TRL's preference and GRPO trainers' "
+        "backward",
     ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,

@@ -6,8 +6,9 @@ loss) except for sampling: each completion is a function of its prompt and its p
 2 ranks x B and one process x 2B see the same completions, rewards and advantages, and what is left to compare is
 the sharded loss and gradients. The generation batch keeps its order (TRL shuffles it before cutting it into
 micro-batches): one process accumulating 2 micro-batches of B then holds exactly the rows each rank holds, which
-bf16 (QLoRA) needs, as its sums round differently over other partitions of the same rows. The first optimizer step's adapter gradients (unsharded; the tests set
-``max_grad_norm 0``, so no clipping) are written to ``--grads_out`` by rank 0.
+bf16 (QLoRA) needs, as its sums round differently over other partitions of the same rows. The first optimizer
+step's adapter gradients (unsharded; the tests set ``max_grad_norm 0``, so no clipping) are written to
+``--grads_out`` by rank 0.
 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/grpo_fixed_rollouts.py \
         --grads_out grads.pt --output_dir ... [--key value ...]
