@@ -89,7 +89,7 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "neftune_noise_alpha": _above(0),
     "ddp_timeout": _at_least(1),
     "beta": _at_least(0),
-    "num_generations": _at_least(1),
+    "num_generations": _at_least(2, "at least 2 (GRPO compares completions of one prompt)"),
     "max_completion_length": _above(0, "positive"),
     "temperature": _above(0),
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),

@@ -403,7 +403,7 @@ def _preference_loss_is_known(recipe, training) -> str | None:
 
 
 def _preference_beta_is_positive(recipe, training) -> str | None:
-    if recipe.beta is not None and recipe.beta <= 0:
+    if recipe.beta == 0:  # below 0: out of keys.RANGES, said there
         return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
     return None
 
@@ -421,8 +421,12 @@ def _rl_loss_is_known(recipe, training) -> str | None:
 
 
 def _rl_has_rewards(recipe, training) -> str | None:
-    if not recipe.reward_funcs:
-        return "reward_funcs: empty; GRPO needs at least one reward function (exact_answer, math_answer, math_format)"
+    names = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else list(recipe.reward_funcs or ())
+    if not names or not all(str(name).strip() for name in names):
+        return (
+            f"reward_funcs: {recipe.reward_funcs!r} names no reward function; GRPO needs at least one (exact_answer, "
+            "math_answer, math_format, or module:function)"
+        )
     if recipe.reward_weights is not None and len(recipe.reward_weights) != len(recipe.reward_funcs):
         return (
             f"reward_weights: {len(recipe.reward_weights)} weights for {len(recipe.reward_funcs)} reward functions; "
@@ -434,8 +438,8 @@ def _rl_has_rewards(recipe, training) -> str | None:
 def _rl_groups_fill_the_batch(recipe, training) -> str | None:
     """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
     over ``steps_per_generation`` micro-steps); a group must not be cut."""
-    if recipe.num_generations < 2:
-        return f"num_generations: {recipe.num_generations}; GRPO compares completions of one prompt, so at least 2"
+    if recipe.num_generations < 2:  # out of keys.RANGES: said there
+        return None
     per_rank = int(training.get("per_device_train_batch_size") or 8)
     steps = recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1)
     batch = per_rank * ranks().world_size * steps

@@ -15,7 +15,7 @@ import yaml
 from conftest import launch_recipe, read_json, run_command
 from fsdp_peft import cli
 from fsdp_peft.catalog import CONFIGS, RECIPES
-from fsdp_peft.config import read_yaml_config
+from fsdp_peft.config import procedure_of_config, read_yaml_config
 from fsdp_peft.ending import plot_loss_curve, summary
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, tiny_family
@@ -54,7 +54,8 @@ def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_pa
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
-        args, _ = parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path)], config, "unused")
+        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of_config(config)
+        args, _ = parse_recipe_config(argv, config, "unused", procedure=procedure)
         assert tiny_family(args.model_name_or_path).name.startswith(_family_prefix(recipe)), recipe
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe
 
