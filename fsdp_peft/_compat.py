@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +53,12 @@ UNVERIFIED_VARIABLE = "FSDP_PEFT_UNVERIFIED"
 
 
 def verified_releases() -> dict[str, tuple[str, str]]:
-    """The releases this environment must hold: the TPU route's torch where torch_xla is installed."""
+    """The releases this environment must hold: the TPU route's torch where torch_xla is installed, and trl's
+    window in a process that has imported it."""
+    releases = {**VERIFIED, **(TRL_VERIFIED if "trl" in sys.modules else {})}
     if importlib.util.find_spec("torch_xla") is None:
-        return VERIFIED
-    return {**VERIFIED, **VERIFIED_WITH_TORCH_XLA}
+        return releases
+    return {**releases, **VERIFIED_WITH_TORCH_XLA}
 
 
 class CompatError(ConfigError):
@@ -308,7 +311,25 @@ UPSTREAM: tuple[Upstream, ...] = (
         "the module replacement itself (Linear -> Linear4bit) on the meta skeleton",
         "transformers builds quantized skeletons on meta",
     ),
+    # TRL's, checked in the processes that import trl (the preference and GRPO recipes)
+    Upstream(
+        "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",
+        ("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+        "fsdp_peft.rl.RolloutTrainer._generate_single_turn",
+        "TRL's sampling is run unchanged, inside one FSDP2 gather of every unit",
+        "TRL generates from FSDP2 models with their units gathered once per call",
+        mentions=("unwrap_model_for_generation", "generation_config"),
+    ),
+    Upstream(
+        "trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts",
+        ("self", "prompts"),
+        "fsdp_peft.rl.RolloutTrainer._tokenize_prompts",
+        "prompts the recipe has rendered are tokenized without added special tokens; the result is TRL's triple",
+        "TRL tokenizes rendered string prompts without adding special tokens",
+        mentions=("multimodal_fields",),
+    ),
 )
+TRL_VERIFIED = {"trl": ("1.16.0", "1.17")}  # checked where trl is imported: its recipes, not SFT or the CLI
 
 
 @dataclass(frozen=True)
@@ -381,7 +402,7 @@ def _source(value) -> str:
 
 
 def version_problem(package: str) -> str | None:
-    return _window_problem(package, verified_releases()[package], "fsdp-peft")
+    return _window_problem(package, {**TRL_VERIFIED, **verified_releases()}[package], "fsdp-peft")
 
 
 def _window_problem(package: str, window: tuple[str, str], verified_by: str) -> str | None:
@@ -401,7 +422,8 @@ def _window_problem(package: str, window: tuple[str, str], verified_by: str) -> 
 @functools.cache
 def _checked() -> bool:
     xla_environment = "torch_xla" in verified_releases()  # its torch is torch-xla's; it never runs torch FSDP
-    problems = [upstream_problem(e) for e in UPSTREAM if not (xla_environment and e.package == "torch")]
+    checked = [e for e in UPSTREAM if e.package in sys.modules or e.package != "trl"]  # trl: where imported
+    problems = [upstream_problem(e) for e in checked if not (xla_environment and e.package == "torch")]
     if os.environ.get(UNVERIFIED_VARIABLE) != "1":  # lifts the release windows; the symbols are still checked
         problems = [version_problem(p) for p in verified_releases()] + problems
         problems += [p.window_problem() for p in PATCHES if not (xla_environment and p.package == "torch")]

@@ -72,15 +72,17 @@ def _validate(args: argparse.Namespace) -> None:
     process, as it would refuse to start a process group of several ranks here."""
     from fsdp_peft.config import (  # lazy: ls/cp must not import torch
         build_training_arguments,
-        is_preference_config,
+        procedure_of_config,
         resolve_recipe_config,
+        with_procedure_defaults,
     )
-    from fsdp_peft.validation import PREFERENCE, SFT, check_before_training  # lazy: ls/cp must not import torch
+    from fsdp_peft.validation import check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
     with _environment(launcher):
-        check_before_training(recipe, training_values, True, PREFERENCE if is_preference_config(args.config) else SFT)
+        procedure = procedure_of_config(args.config)  # a DPO/KTO or GRPO config by its keys, else SFT
+        check_before_training(with_procedure_defaults(recipe, procedure), training_values, True, procedure)
     with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):
         build_training_arguments(training_values, options.config)
     print(f"{args.config}: ok" + (f" under {args.accelerate_config}" if args.accelerate_config else ""))

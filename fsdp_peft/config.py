@@ -59,6 +59,13 @@ class RecipeArguments:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
     lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA input"})
+    adapter_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from a trained adapter's weights (an SFT run's output_dir, adapter/ or checkpoint), for "
+            "SFT -> DPO or SFT -> GRPO; its rank, alpha and modules must be this recipe's"
+        },
+    )
     lora_target_modules: list[str] = field(
         default_factory=lambda: [AUTO_TARGETS],
         metadata={"help": "module names to adapt, 'all-linear', or 'auto' (the model family's default)"},
@@ -106,7 +113,9 @@ class RecipeArguments:
     eval_split: float = field(
         default=0.0, metadata={"help": "fraction of train rows held out when no eval data is given"}
     )
-    max_seq_length: int = field(default=1024, metadata={"help": "tokens per example (per packed row with packing)"})
+    max_seq_length: int = field(
+        default=1024, metadata={"help": "tokens per example (per packed row with packing; GRPO: per prompt)"}
+    )
     truncation: str = field(default="right", metadata={"help": "longer examples: right, left (cut) or drop"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss only on completions / assistant turns"})
     packing: bool = field(default=False, metadata={"help": "pack examples into max_seq_length rows, kept apart"})
@@ -139,15 +148,47 @@ class RecipeArguments:
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )
-    beta: float = field(
-        default=0.1, metadata={"help": "preference recipes: strength of the pull towards the reference model"}
+    beta: float | None = field(
+        default=None,
+        metadata={
+            "help": "preference recipes: strength of the pull towards the reference (default 0.1); GRPO: weight of "
+            "the KL term to the reference (default 0.0: no reference pass)"
+        },
     )
-    loss_type: str = field(default="sigmoid", metadata={"help": "preference recipes: TRL's DPO loss (sigmoid = DPO)"})
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "preference recipes: TRL's DPO/KTO loss (default sigmoid = DPO); GRPO: its loss (dapo)"},
+    )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "preference recipes: reference log-probs computed once before training"}
     )
     ref_model: str | None = field(
         default=None, metadata={"help": "preference recipes: a separate reference model (not with LoRA: refused)"}
+    )
+
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "GRPO: reward functions: exact_answer, math_answer, math_format, or module:function"},
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "GRPO: one weight per reward function (default: 1.0 each)"}
+    )
+    num_generations: int = field(default=8, metadata={"help": "GRPO: completions sampled per prompt (a group)"})
+    max_completion_length: int = field(default=256, metadata={"help": "GRPO: new tokens per sampled completion"})
+    temperature: float = field(default=1.0, metadata={"help": "GRPO: sampling temperature of the rollouts"})
+    top_p: float = field(default=1.0, metadata={"help": "GRPO: nucleus sampling of the rollouts (1.0: off)"})
+    top_k: int = field(default=0, metadata={"help": "GRPO: top-k sampling of the rollouts (0: off)"})
+    min_p: float | None = field(default=None, metadata={"help": "GRPO: min-p sampling of the rollouts"})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "GRPO: repetition penalty (1.0: off)"})
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "GRPO: optimizer micro-steps per rollout batch (default: the accumulation)"}
+    )
+    num_iterations: int = field(default=1, metadata={"help": "GRPO: updates per rollout batch (mu)"})
+    epsilon: float = field(default=0.2, metadata={"help": "GRPO: clipping range of the probability ratio"})
+    epsilon_high: float | None = field(default=None, metadata={"help": "GRPO: upper clipping range (DAPO)"})
+    scale_rewards: str = field(default="group", metadata={"help": "GRPO: advantage scaling: group, batch or none"})
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "GRPO: completions cut at max_completion_length do not count in the loss"}
     )
 
     def __post_init__(self):
@@ -160,12 +201,50 @@ class RecipeArguments:
         self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
 
 
-PREFERENCE_KEYS = ("beta", "loss_type", "precompute_ref_log_probs", "ref_model")  # a config that sets one is DPO's
+SFT, PREFERENCE, RL = "sft", "preference", "rl"  # the procedures: fsdp_peft.recipe, .preference, .rl
+PREFERENCE_KEYS = ("precompute_ref_log_probs", "ref_model")  # with beta and loss_type: a config that sets one is DPO's
+RL_KEYS = (  # a config that sets one is GRPO's
+    "reward_funcs",
+    "reward_weights",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "steps_per_generation",
+    "num_iterations",
+    "epsilon",
+    "epsilon_high",
+    "scale_rewards",
+    "mask_truncated_completions",
+)
+PROCEDURE_DEFAULTS = {  # keys two procedures share, with each one's default (TRL's)
+    PREFERENCE: {"beta": 0.1, "loss_type": "sigmoid"},
+    RL: {"beta": 0.0, "loss_type": "dapo"},
+}
 
 
-def is_preference_config(path: Path) -> bool:
-    """Whether the recipe YAML at ``path`` (its includes followed) sets a DPO/KTO key: a preference run's config."""
-    return bool(set(PREFERENCE_KEYS) & read_yaml_config(Path(path)).keys())
+def procedure_of(values: dict) -> str:
+    """The procedure a config's keys belong to: GRPO's keys, else DPO/KTO's (``beta``/``loss_type`` included),
+    else SFT."""
+    if set(RL_KEYS) & values.keys():
+        return RL
+    if {*PREFERENCE_KEYS, *PROCEDURE_DEFAULTS[PREFERENCE]} & values.keys():
+        return PREFERENCE
+    return SFT
+
+
+def procedure_of_config(path: Path) -> str:
+    """The procedure of the recipe YAML at ``path`` (its includes followed): `procedure_of` its keys."""
+    return procedure_of(read_yaml_config(Path(path)))
+
+
+def with_procedure_defaults(recipe: RecipeArguments, procedure: str) -> RecipeArguments:
+    """``recipe`` with the shared keys it leaves unset (``beta``, ``loss_type``) at ``procedure``'s defaults."""
+    unset = {key: value for key, value in PROCEDURE_DEFAULTS.get(procedure, {}).items() if getattr(recipe, key) is None}
+    return dataclasses.replace(recipe, **unset) if unset else recipe
 
 
 class _Parser(HfArgumentParser):
@@ -188,7 +267,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
-LIST_KEYS = ("lora_target_modules", "lora_modules_to_save", "new_special_tokens")
+LIST_KEYS = ("lora_target_modules", "lora_modules_to_save", "new_special_tokens", "reward_funcs", "reward_weights")
 
 
 def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fsdp_peft.config import PREFERENCE, RL, SFT
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.run_files import LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
-from fsdp_peft.validation import PREFERENCE, SFT
 
 PREFIX = "[fsdp-peft] "
 
@@ -129,6 +129,23 @@ def preference_details(results: dict, output_dir: Path) -> list[str]:
     return lines
 
 
+def rl_details(results: dict, output_dir: Path) -> list[str]:
+    """A GRPO run's own summary lines: greedy completions of the held-out prompts scored, before and after."""
+    before, after = results["held_out_before"], results["held_out_after"]
+    if after is None:
+        return []
+    lines = [f"held-out prompts: {after['prompts']} (greedy completions)"]
+    scores = [("exact match", before and before["exact_match"], after["exact_match"])]
+    scores += [
+        (f"reward {name}", before and before["rewards"][name], value) for name, value in after["rewards"].items()
+    ]
+    for label, was, now in scores:
+        shown = "n/a (resumed)" if before is None else "n/a" if was is None else f"{was:.3f}"
+        lines.append(f"  {label}: before {shown}, after {'n/a' if now is None else f'{now:.3f}'}")
+    lines.append(f"samples: {output_dir / SAMPLES_FILE}")
+    return lines
+
+
 def _closer_to(generation: dict) -> str:
     return (
         f"{generation['chosen']:.3f} / {generation['rejected']:.3f} (exactly chosen {generation['exact_chosen']:.3f})"
@@ -136,7 +153,11 @@ def _closer_to(generation: dict) -> str:
 
 
 # ``results["procedure"]`` → the lines its summary prints between the loss line and the files
-SUMMARY_DETAILS: dict[str, Callable[[dict, Path], list[str]]] = {SFT: sft_details, PREFERENCE: preference_details}
+SUMMARY_DETAILS: dict[str, Callable[[dict, Path], list[str]]] = {
+    SFT: sft_details,
+    PREFERENCE: preference_details,
+    RL: rl_details,
+}
 
 
 def last_logged(log_history: list[dict], key: str) -> float | None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, set_peft_model_state_dict
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -28,6 +29,7 @@ from fsdp_peft._compat import (
     peft_wrapped,
     trainable_tokens_through_the_base_layer,
 )
+from fsdp_peft.adapter_files import find_adapter
 from fsdp_peft.attention import architecture_problem, chosen_attention
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
@@ -63,7 +65,37 @@ def build_model(recipe: RecipeArguments, training: TrainingArguments, tokenizer)
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     base = load_base_model(recipe, training)
     grow_vocabulary(base, tokenizer, recipe)
-    return attach_lora(base, recipe, training)
+    model = attach_lora(base, recipe, training)
+    if recipe.adapter_name_or_path:
+        start_from_trained_adapter(model, Path(recipe.adapter_name_or_path))
+    return model
+
+
+def start_from_trained_adapter(peft_model, source: Path) -> None:
+    """8. the weights of a trained adapter (``adapter_name_or_path``: SFT -> DPO/GRPO) in place of the fresh ones;
+    every LoRA tensor of the model must come from it, in the dtype the model keeps them in."""
+    adapter = find_adapter(source)
+    config = peft_model.peft_config[peft_model.active_adapter]
+    # peft's name for each setting, and the recipe key that sets it
+    for key, recipe_key in (("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("use_dora", "use_dora")):
+        ours = getattr(config, key)
+        if adapter.config.get(key, ours) != ours:
+            raise ConfigError(
+                f"adapter_name_or_path: {adapter.origin} was trained with {recipe_key} {adapter.config.get(key)}, "
+                f"this recipe has {ours}; set {recipe_key}: {adapter.config.get(key)} to continue from it"
+            )
+    dtypes = {name: p.dtype for name, p in peft_model.named_parameters() if p.requires_grad}
+    loaded = set_peft_model_state_dict(peft_model, adapter.tensors)
+    missing = [key for key in loaded.missing_keys if "lora_" in key]
+    if missing or loaded.unexpected_keys:
+        names = (missing or loaded.unexpected_keys)[:2]
+        raise ConfigError(
+            f"adapter_name_or_path: {adapter.origin} does not fit this recipe's LoRA modules "
+            f"({'missing' if missing else 'unexpected'}: {', '.join(names)}); use the lora_target_modules it had"
+        )
+    for name, parameter in peft_model.named_parameters():
+        if name in dtypes and parameter.dtype != dtypes[name]:
+            parameter.data = parameter.data.to(dtypes[name])
 
 
 def local_device() -> torch.device:

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
-from fsdp_peft.config import is_preference_config, resolve_recipe_config
+from fsdp_peft.config import PREFERENCE, RL, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
@@ -87,7 +87,7 @@ class MemoryPlan:
     offload_params: bool
     optimizer: str
     counts: ModelCounts
-    preference: bool = False  # DPO/KTO: log-probs from TRL's fused head, not the SFT loss
+    preference: bool = False  # DPO/KTO/GRPO: log-probs from TRL's fused head, not the SFT loss
     gpu: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -291,6 +291,14 @@ def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_byte
     return min(chunk_tokens, tokens) * model_config.vocab_size * (compute_bytes + upcast + 8)
 
 
+def kv_cache_bytes_per_token(model_config, compute_bytes: int) -> int:
+    """Keys and values of every layer for one token: ``2 x layers x kv heads x head size`` in the compute dtype."""
+    heads = model_config.num_attention_heads
+    head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    return 2 * model_config.num_hidden_layers * kv_heads * head_size * compute_bytes
+
+
 def load_model_config(name: str, trust_remote_code: bool = False):
     """The model's config only: embedded tiny models, local directories and downloaded hub models, then the
     shipped configs' hub models (their published config.json kept in the package: planning needs no network),
@@ -347,9 +355,23 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
-    tokens = int(training.get("per_device_train_batch_size") or 8) * recipe.max_seq_length
-    preference = is_preference_config(config_path)
-    if preference:  # DPO: a pair is chosen + rejected
+    per_rank = int(training.get("per_device_train_batch_size") or 8)
+    tokens = per_rank * recipe.max_seq_length
+    procedure = procedure_of_config(config_path)
+    preference = procedure in (PREFERENCE, RL)
+    rollout_cache = 0
+    if procedure == RL:  # GRPO: a row is a prompt and one sampled completion
+        sequence = recipe.max_seq_length + recipe.max_completion_length
+        tokens = per_rank * sequence
+        sampled = per_rank * (recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1))
+        rollout_cache = sampled * sequence * kv_cache_bytes_per_token(model_config, compute_bytes)
+        notes.append(
+            f"GRPO: each rank samples {sampled} completions per generate call (per_device_train_batch_size x "
+            "steps_per_generation), prompts counted at max_seq_length tokens plus max_completion_length; the "
+            "rollouts' KV cache is counted beside the activations (generation and training do not overlap, so "
+            "the total is an upper bound); log-probs come from TRL's fused head, as for DPO"
+        )
+    elif preference:  # DPO: a pair is chosen + rejected
         tokens *= 2
         notes.append(
             "preference (DPO): each pair is 2 sequences (chosen + rejected), counted in the tokens per rank; "
@@ -405,6 +427,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         if preference
         else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     )
+    if rollout_cache:
+        plan.gpu["rollouts: KV cache, transient (est.)"] = rollout_cache
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]

@@ -23,7 +23,7 @@ from datasets import load_from_disk
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.ending import end_run
 from fsdp_peft.generation import GenerationSettings, generate_completions
@@ -36,7 +36,7 @@ from fsdp_peft.recipe import (
 from fsdp_peft.run_files import SAMPLES_FILE
 from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin
-from fsdp_peft.validation import KTO_LOSS_TYPES, PREFERENCE
+from fsdp_peft.validation import KTO_LOSS_TYPES
 
 
 class ReferenceWithoutCopy:

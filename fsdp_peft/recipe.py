@@ -22,7 +22,14 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_peft._compat import check_upstream
-from fsdp_peft.config import RecipeArguments, build_training_arguments, resolve_recipe_config, resolved_config_yaml
+from fsdp_peft.config import (
+    SFT,
+    RecipeArguments,
+    build_training_arguments,
+    resolve_recipe_config,
+    resolved_config_yaml,
+    with_procedure_defaults,
+)
 from fsdp_peft.data import check_packing_keeps_examples_apart, data_collator, load_data
 from fsdp_peft.distributed import ranks, release_process_group
 from fsdp_peft.ending import end_run
@@ -35,7 +42,7 @@ from fsdp_peft.modeling import build_model, load_tokenizer
 from fsdp_peft.run_files import SAMPLES_FILE
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.trainer import PeftFsdpTrainer, check_resumable
-from fsdp_peft.validation import SFT, check_before_training
+from fsdp_peft.validation import check_before_training
 from fsdp_peft.xla import start_xla_runtime
 
 
@@ -66,6 +73,7 @@ def parse_recipe_config(
     (``TrainingArguments``, or the class and extra fields ``arguments_for`` picks for the recipe: TRL's configs),
     checked by the rules that guard ``procedure``."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
+    recipe_args = with_procedure_defaults(recipe_args, procedure)
     check_before_training(recipe_args, training_values, procedure=procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     arguments_class, extra = arguments_for(recipe_args) if arguments_for else (TrainingArguments, {})

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
-from fsdp_peft.config import GATHER_BUDGET_HELP
+from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
 from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
 from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
@@ -397,8 +397,76 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: u
 
 
 def _preference_loss_is_known(recipe, training) -> str | None:
-    if recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
+    if recipe.loss_type is not None and recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
         return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
+    return None
+
+
+def _preference_beta_is_positive(recipe, training) -> str | None:
+    if recipe.beta == 0:  # below 0: out of keys.RANGES, said there
+        return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
+    return None
+
+
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # trl 1.16 GRPOConfig
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _rl_loss_is_known(recipe, training) -> str | None:
+    if recipe.loss_type is not None and recipe.loss_type not in GRPO_LOSS_TYPES:
+        return unknown_choice("loss_type", recipe.loss_type, GRPO_LOSS_TYPES)
+    if recipe.scale_rewards not in SCALE_REWARDS:
+        return unknown_choice("scale_rewards", recipe.scale_rewards, SCALE_REWARDS)
+    return None
+
+
+def _rl_has_rewards(recipe, training) -> str | None:
+    names = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else list(recipe.reward_funcs or ())
+    if not names or not all(str(name).strip() for name in names):
+        return (
+            f"reward_funcs: {recipe.reward_funcs!r} names no reward function; GRPO needs at least one (exact_answer, "
+            "math_answer, math_format, or module:function)"
+        )
+    if recipe.reward_weights is not None and len(recipe.reward_weights) != len(recipe.reward_funcs):
+        return (
+            f"reward_weights: {len(recipe.reward_weights)} weights for {len(recipe.reward_funcs)} reward functions; "
+            "give one weight per function, or none (1.0 each)"
+        )
+    return None
+
+
+def _rl_groups_fill_the_batch(recipe, training) -> str | None:
+    """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
+    over ``steps_per_generation`` micro-steps); a group must not be cut."""
+    if recipe.num_generations < 2:  # out of keys.RANGES: said there
+        return None
+    per_rank = int(training.get("per_device_train_batch_size") or 8)
+    steps = recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1)
+    batch = per_rank * ranks().world_size * steps
+    if batch % recipe.num_generations:
+        return (
+            f"num_generations: {recipe.num_generations} does not divide the generation batch of {batch} completions "
+            f"(per_device_train_batch_size {per_rank} x {ranks().world_size} ranks x steps_per_generation {steps}); "
+            "change one of them"
+        )
+    return None
+
+
+def _rl_checkpoints_on_generation_boundaries(recipe, training) -> str | None:
+    """TRL regenerates rollouts every ``steps_per_generation x num_iterations`` micro-steps and keeps the batch in
+    memory between; a checkpoint does not hold it, so a run resumed mid-cycle would train on new rollouts where the
+    uninterrupted one reuses the old. Checkpoints on cycle boundaries resume exactly (the RNG states restored)."""
+    if str(training.get("save_strategy") or "steps") != "steps":
+        return None
+    accumulation = int(training.get("gradient_accumulation_steps") or 1)
+    cycle = (recipe.steps_per_generation or accumulation) * recipe.num_iterations
+    save_steps = float(training.get("save_steps") or 500)  # below 1: a fraction of the run, not checked here
+    if save_steps >= 1 and int(save_steps) * accumulation % cycle:
+        return (
+            f"save_steps: {save_steps:g} puts checkpoints inside a rollout cycle of {cycle} micro-steps "
+            f"(steps_per_generation x num_iterations), which a resume cannot repeat; use a multiple of "
+            f"{cycle // math.gcd(cycle, accumulation)} optimizer steps"
+        )
     return None
 
 
@@ -421,46 +489,46 @@ def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
     return None
 
 
-def _preference_runs_off_xla(recipe, training) -> str | None:
+def _trl_recipes_run_off_xla(recipe, training) -> str | None:
     """The TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only."""
     if on_xla():
         return (
-            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference recipes do not run on XLA (TPU) yet; "
-            "run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference and GRPO recipes do not run on XLA (TPU) "
+            "yet; run them on GPUs or CPUs (unset PJRT_DEVICE), or use a LoRA SFT recipe on TPU (docs/tpu.md)"
         )
     return None
 
 
-def _preference_runs_without_eva(recipe, training) -> str | None:
+def _trl_recipes_run_without_eva(recipe, training) -> str | None:
     if recipe.init_lora_weights == "eva":
         return (
-            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do "
-            "not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
+            "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
+            "recipes do not run it; use init_lora_weights: default (or another init), or an SFT recipe for EVA"
         )
     return None
 
 
-def _preference_runs_under_fsdp2(recipe, training) -> str | None:
+def _trl_recipes_run_under_fsdp2(recipe, training) -> str | None:
     """TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused,
     chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for
     storage of size 0"); FSDP2 gathers the head's unit around the whole forward."""
     settings = fsdp_settings_for_rules(training)
     if settings is not None and settings.version == 1:
         return (
-            "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit, where "
-            "it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
+            "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit, "
+            "where it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
         )
     return None
 
 
-def _preference_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
+def _trl_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
     """Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
     "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine)."""
     accumulation = training.get("gradient_accumulation_steps", 1)
     if recipe.load_in_4bit and int(accumulation or 1) > 1 and fsdp_settings_for_rules(training) is not None:
         return (
             f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
-            "fails in the preference trainers' backward; set gradient_accumulation_steps: 1 and raise "
+            "fails in TRL's preference and GRPO trainers' backward; set gradient_accumulation_steps: 1 and raise "
             "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
         )
     return None
@@ -506,8 +574,7 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
     return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
 
 
-SFT, PREFERENCE = "sft", "preference"  # the procedures (`fsdp_peft.recipe`, `fsdp_peft.preference`)
-EVERY = (SFT, PREFERENCE)
+EVERY = (SFT, PREFERENCE, RL)
 
 # Every rule, with the procedures it guards, in the order its problems are reported.
 RULES: dict[Callable, tuple[str, ...]] = {
@@ -532,14 +599,19 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _cpu_mode_cannot_load_on_rank_0_only: EVERY,
     _checkpoints_are_finished_by_one_rank: EVERY,
     _parallelism_config_fills_the_launch: EVERY,
-    _preference_loss_is_known: EVERY,
+    _preference_loss_is_known: (SFT, PREFERENCE),
+    _preference_beta_is_positive: (PREFERENCE,),
+    _rl_loss_is_known: (RL,),
+    _rl_has_rewards: (RL,),
+    _rl_groups_fill_the_batch: (RL,),
+    _rl_checkpoints_on_generation_boundaries: (RL,),
     _reference_is_the_adapter_disabled_model: EVERY,
     _precomputed_reference_sees_the_weights: EVERY,
-    _preference_runs_off_xla: (PREFERENCE,),
-    _preference_runs_without_eva: (PREFERENCE,),
-    _preference_runs_under_fsdp2: (PREFERENCE,),
-    _preference_qlora_does_not_accumulate_under_fsdp: (PREFERENCE,),
-    _xla_route_can_run: (SFT,),  # the preference recipes refuse XLA outright
+    _trl_recipes_run_off_xla: (PREFERENCE, RL),
+    _trl_recipes_run_without_eva: (PREFERENCE, RL),
+    _trl_recipes_run_under_fsdp2: (PREFERENCE, RL),
+    _trl_qlora_does_not_accumulate_under_fsdp: (PREFERENCE, RL),
+    _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,

@@ -125,9 +125,18 @@ def recipe_launch_command(
     recipe: str, *overrides: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
 ) -> list[str]:
     """``accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/<recipe>.py ...``."""
+    return script_launch_command(
+        REPO / "recipes" / f"{recipe}.py", *overrides, processes=processes, accelerate_config=accelerate_config
+    )
+
+
+def script_launch_command(
+    script: Path, *arguments: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
+) -> list[str]:
+    """``accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml <script> ...``."""
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
     ranks = ["--num_processes", str(processes), "--main_process_port", str(free_port())]
-    return [sys.executable, *launcher, *ranks, str(REPO / "recipes" / f"{recipe}.py"), *overrides]
+    return [sys.executable, *launcher, *ranks, str(script), *arguments]
 
 
 def recipe_torchrun_command(recipe: str, *overrides: str, processes: int = 2) -> list[str]:

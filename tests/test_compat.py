@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import os
+import subprocess
 import sys
 import warnings
 from unittest import mock
@@ -15,7 +16,15 @@ import torch
 
 from conftest import REPO, last_json_line, run_command, torchrun
 from fsdp_peft import _compat
-from fsdp_peft._compat import PATCHES, UPSTREAM, VERIFIED, CompatError, upstream_problem, version_problem
+from fsdp_peft._compat import (
+    PATCHES,
+    TRL_VERIFIED,
+    UPSTREAM,
+    VERIFIED,
+    CompatError,
+    upstream_problem,
+    version_problem,
+)
 
 
 @pytest.mark.parametrize("entry", UPSTREAM, ids=lambda e: e.path)
@@ -24,9 +33,18 @@ def test_each_upstream_symbol_exists_with_what_fsdp_peft_relies_on(entry):
     assert entry.why and entry.remove_when and entry.used_by
 
 
-@pytest.mark.parametrize("package", sorted(VERIFIED))
+@pytest.mark.parametrize("package", sorted({**VERIFIED, **TRL_VERIFIED}))
 def test_installed_releases_are_the_verified_ones(package):
     assert version_problem(package) is None, importlib.metadata.version(package)
+
+
+def test_trls_symbols_and_release_are_checked_where_trl_is_imported_and_cost_sft_nothing():
+    check = "import sys, fsdp_peft._compat as c; {}c.check_upstream(); print('trl' in sys.modules)"
+    sft = subprocess.run([sys.executable, "-c", check.format("")], capture_output=True, text=True, cwd=REPO)
+    assert sft.returncode == 0 and sft.stdout.split()[0] == "False", sft.stderr[-2000:]
+    renamed = "import trl.trainer.grpo_trainer as g; del g.GRPOTrainer._tokenize_prompts; "
+    grpo = subprocess.run([sys.executable, "-c", check.format(renamed)], capture_output=True, text=True, cwd=REPO)
+    assert grpo.returncode != 0 and "GRPOTrainer._tokenize_prompts is gone; fsdp-peft relies on it" in grpo.stderr
 
 
 def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():

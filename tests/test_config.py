@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_command
-from fsdp_peft.config import read_yaml_config
+from fsdp_peft.config import procedure_of_config, read_yaml_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
 
@@ -144,7 +144,8 @@ def test_fsdp_in_the_yaml_needs_a_launcher(tmp_path, monkeypatch):
 
 def test_shipped_recipe_configs_validate(tmp_path):
     for config in sorted(p for p in (REPO / "configs").glob("llama_*/*.yaml") if not p.name.startswith("tpu_")):
-        recipe, training = parse_recipe_config(["--config", str(config)], config, str(tmp_path))
+        procedure = procedure_of_config(config)  # each checked by the rules of its own procedure
+        recipe, training = parse_recipe_config(["--config", str(config)], config, str(tmp_path), procedure=procedure)
         assert recipe.model_name_or_path
         assert Path(config).read_text().startswith("#"), f"{config} must open with its comment block"
 

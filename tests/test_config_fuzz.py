@@ -25,10 +25,17 @@ import pytest
 import yaml
 
 from conftest import REPO, run_command
-from fsdp_peft.config import PREFERENCE_KEYS, RecipeArguments, build_training_arguments, resolve_recipe_config
+from fsdp_peft.config import (
+    PREFERENCE_KEYS,
+    PROCEDURE_DEFAULTS,
+    RL_KEYS,
+    RecipeArguments,
+    build_training_arguments,
+    resolve_recipe_config,
+)
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.keys import training_field_types
-from fsdp_peft.validation import PREFERENCE, SFT, check_before_training
+from fsdp_peft.validation import PREFERENCE, RL, SFT, check_before_training
 
 MUTATIONS = 600
 SEED = 20261130
@@ -80,6 +87,7 @@ FSDP_CLASHES = [  # (values set, the key the message must name)
 
 
 DPO_BASE = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+GRPO_BASE = REPO / "configs" / "llama_grpo" / "tiny.yaml"
 EDGE_VALUES = ["", [], float("nan"), float("inf"), float("-inf"), -1, 0]
 MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; every other edge value is refused
     ("seed", 0): "a seed",
@@ -100,6 +108,9 @@ MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; ever
     ("lora_rank_pattern", ""): "no per-module ranks",
     ("lora_alpha_pattern", ""): "no per-module alphas",
     ("ref_model", ""): "no separate reference (the adapter-disabled model is the reference)",
+    ("adapter_name_or_path", ""): "a fresh adapter",
+    ("top_k", 0): "no top-k filtering when sampling rollouts (TRL's default)",
+    ("min_p", 0): "no min-p filtering when sampling rollouts",
 }
 
 
@@ -108,10 +119,20 @@ def edge_mutations():
     sft_keys = set(yaml.safe_load(BASES["lora"].read_text())) | set(yaml.safe_load(BASES["qlora"].read_text()))
     keys = sft_keys | {f.name for f in dataclasses.fields(RecipeArguments)}
     for key in sorted(keys):
-        preference = key in PREFERENCE_KEYS
-        base = yaml.safe_load((DPO_BASE if preference else BASES["lora"]).read_text())
+        path, procedure = _procedure_base(key)
+        base = yaml.safe_load(path.read_text())
         for value in EDGE_VALUES:
-            yield key, value, _dump({**base, key: value}), PREFERENCE if preference else SFT
+            yield key, value, _dump({**base, key: value}), procedure
+
+
+def _procedure_base(key: str) -> tuple[Path, str]:
+    """The shipped config a key is mutated in, and the procedure whose rules check it: GRPO's keys in the GRPO
+    default, DPO's (``beta`` and ``loss_type`` included) in the DPO default, the rest in the SFT one."""
+    if key in RL_KEYS:
+        return GRPO_BASE, RL
+    if key in PREFERENCE_KEYS or key in PROCEDURE_DEFAULTS[PREFERENCE]:
+        return DPO_BASE, PREFERENCE
+    return BASES["lora"], SFT
 
 
 def _meaningful(key: str, value) -> bool:

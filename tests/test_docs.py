@@ -53,7 +53,11 @@ GENERATION_RUN = (
     " --save_strategy steps --save_steps 200 --export_merged true"
 )
 # ``outputs/<run>`` in a command that reads it is the output of this documented launch (run once).
-PRODUCERS = {"llama_qlora_tiny": QUICK_START, "llama_lora_tiny": GENERATION_RUN}
+SFT_START = (
+    "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_lora.py --max_steps 130"
+    " --output_dir outputs/llama_lora_short --generate_samples 0"
+)
+PRODUCERS = {"llama_qlora_tiny": QUICK_START, "llama_lora_tiny": GENERATION_RUN, "llama_lora_short": SFT_START}
 # A 400-step run's last checkpoint is checkpoint-400; the same launch with QUICK ends at checkpoint-2.
 PLACEHOLDERS = {"checkpoint-400": "checkpoint-2"}
 
@@ -410,10 +414,11 @@ class Workspaces:
                 (workspace / name).write_text(text)
         for name, text in run.files:
             (workspace / name).write_text(text)
-        if not _recipe_launch(command):
-            for name in sorted(set(re.findall(r"outputs/(\w+)", command))):
-                (workspace / "outputs").mkdir(exist_ok=True)
-                (workspace / "outputs" / name).symlink_to(self.outputs(name))
+        # what the command reads: any outputs/<run> it names, or for a launch, the adapter it starts from
+        reads = r"--adapter_name_or_path outputs/(\w+)" if _recipe_launch(command) else r"outputs/(\w+)"
+        for name in sorted(set(re.findall(reads, command))):
+            (workspace / "outputs").mkdir(exist_ok=True)
+            (workspace / "outputs" / name).symlink_to(self.outputs(name))
         command = re.sub(r"^accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", command)
         command = re.sub(r"^torchrun ", f"torchrun --master_port {free_port()} ", command)
         if IN_PROCESS.match(command):

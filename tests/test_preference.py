@@ -362,7 +362,7 @@ def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as error:
         parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
     assert str(error.value).startswith(
-        "fsdp_version: 1: TRL's preference trainers read the output head's weight outside"
+        "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside"
     )
     monkeypatch.setenv("FSDP_VERSION", "2")
     recipe, training = parse_preference_config(["--output_dir", str(tmp_path), "--beta", "0.2"], config, str(tmp_path))
@@ -381,7 +381,7 @@ def test_validate_gives_the_preference_recipes_refusals_under_the_launch(capsys)
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .startswith("error: fsdp_version: 1: TRL's preference trainers read the output head's weight outside")
+        .startswith("error: fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside")
     )
     fsdp2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
     cli.main(["validate", str(config), "--accelerate-config", str(fsdp2)])
@@ -393,7 +393,7 @@ def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
-    with pytest.raises(ConfigError, match=r"^PJRT_DEVICE=TPU: the preference recipes do not run on XLA"):
+    with pytest.raises(ConfigError, match=r"^PJRT_DEVICE=TPU: the preference and GRPO recipes do not run on XLA"):
         parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
 
 

@@ -15,7 +15,7 @@ import yaml
 from conftest import launch_recipe, read_json, run_command
 from fsdp_peft import cli
 from fsdp_peft.catalog import CONFIGS, RECIPES
-from fsdp_peft.config import read_yaml_config
+from fsdp_peft.config import procedure_of_config, read_yaml_config
 from fsdp_peft.ending import plot_loss_curve, summary
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, tiny_family
@@ -26,7 +26,8 @@ RECIPE_CONFIGS = sorted(
     p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "accelerate" and not p.name.startswith("tpu_")
 )
 REAL_CONFIGS = [p for p in RECIPE_CONFIGS if p.name != "tiny.yaml"]
-SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith("_dpo")]  # DPO: tests/test_preference.py
+# DPO: tests/test_preference.py; GRPO: tests/test_grpo.py
+SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith(("_dpo", "_grpo"))]
 GPU_ACCELERATE_CONFIGS = ["fsdp2.yaml", "fsdp2_offload.yaml", "fsdp1.yaml"]
 ROW_TOKENS = 24  # every tiny-reverse row: bos, <|user|>, "reverse: abcde", eos, <|assistant|>, 5 letters, eos
 REQUIRED_REAL = {
@@ -49,11 +50,12 @@ def _family_prefix(recipe: str) -> str:
 def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_path):
     recipes = sorted(p.stem for p in RECIPES.glob("*.py"))
     sft = [f"{f}_{k}" for f in ("llama", "mistral", "qwen") for k in ("lora", "qlora")]
-    assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo"])
+    assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo", "llama_grpo", "qwen_grpo"])
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
-        args, _ = parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path)], config, "unused")
+        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of_config(config)
+        args, _ = parse_recipe_config(argv, config, "unused", procedure=procedure)
         assert tiny_family(args.model_name_or_path).name.startswith(_family_prefix(recipe)), recipe
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe
 
@@ -82,11 +84,11 @@ def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelera
     fsdp1 = yaml.safe_load(accelerate.read_text())["fsdp_config"]["fsdp_version"] == 1
     for config in REAL_CONFIGS:
         command = ["validate", str(config), "--accelerate-config", str(accelerate)]
-        if fsdp1 and config.parent.name.endswith("_dpo"):
+        if fsdp1 and config.parent.name.endswith(("_dpo", "_grpo")):
             with pytest.raises(SystemExit) as exited:
                 cli.main(command)
             assert exited.value.code == 2, config
-            assert "error: fsdp_version: 1: TRL's preference trainers" in capsys.readouterr().err, config
+            assert "error: fsdp_version: 1: TRL's preference and GRPO trainers" in capsys.readouterr().err, config
             continue
         cli.main(command)
         assert capsys.readouterr().out.strip().endswith(f"ok under {accelerate}")

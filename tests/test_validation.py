@@ -11,11 +11,13 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.preference import parse_preference_config
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.validation import PREFERENCE, RULES, SFT, _preference_runs_without_eva
+from fsdp_peft.rl import parse_rl_config
+from fsdp_peft.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 DPO_TINY = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+GRPO_TINY = REPO / "configs" / "llama_grpo" / "tiny.yaml"
 ACCELERATE_FSDP2 = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
@@ -163,6 +165,37 @@ CASES = {
         ["--loss_type", "dpo"],
         "loss_type: 'dpo' is not one of sigmoid, hinge, ipo,",
     ),
+    "_preference_beta_is_positive": (
+        DPO_TINY,
+        {},
+        ["--beta", "0"],
+        "beta: must be above 0 for DPO/KTO (the reference's pull), got 0.0",
+    ),
+    "_rl_loss_is_known": (
+        GRPO_TINY,
+        {},
+        ["--loss_type", "sigmoid"],
+        "loss_type: 'sigmoid' is not one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo",
+    ),
+    "_rl_has_rewards": (
+        GRPO_TINY,
+        {},
+        ["--reward_weights", "1.0", "2.0"],
+        "reward_weights: 2 weights for 1 reward functions; give one weight per function, or none (1.0 each)",
+    ),
+    "_rl_groups_fill_the_batch": (
+        GRPO_TINY,
+        {},
+        ["--num_generations", "5"],
+        "num_generations: 5 does not divide the generation batch of 32 completions (per_device_train_batch_size 32",
+    ),
+    "_rl_checkpoints_on_generation_boundaries": (
+        GRPO_TINY,
+        {},
+        ["--save_strategy", "steps", "--save_steps", "3", "--steps_per_generation", "2"],
+        "save_steps: 3 puts checkpoints inside a rollout cycle of 2 micro-steps (steps_per_generation x "
+        "num_iterations), which a resume cannot repeat; use a multiple of 2 optimizer steps",
+    ),
     "_reference_is_the_adapter_disabled_model": (
         DPO_TINY,
         {},
@@ -176,29 +209,31 @@ CASES = {
         "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
         "cpu_ram_efficient_loading only rank 0 has weights then",
     ),
-    "_preference_runs_off_xla": (
+    "_trl_recipes_run_off_xla": (
         DPO_TINY,
         {"PJRT_DEVICE": "CPU"},
         [],
-        "PJRT_DEVICE=CPU: the preference recipes do not run on XLA (TPU) yet; run them on GPUs or CPUs",
+        "PJRT_DEVICE=CPU: the preference and GRPO recipes do not run on XLA (TPU) yet; run them on GPUs or CPUs",
     ),
-    "_preference_runs_without_eva": (
+    "_trl_recipes_run_without_eva": (
         DPO_TINY,
         {},
         ["--init_lora_weights", "eva"],
-        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference recipes do not",
+        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
+        "recipes do not",
     ),
-    "_preference_runs_under_fsdp2": (
+    "_trl_recipes_run_under_fsdp2": (
         DPO_TINY,
         ACCELERATE_FSDP1,
         [],
-        "fsdp_version: 1: TRL's preference trainers read the output head's weight outside its FSDP1 unit",
+        "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit",
     ),
-    "_preference_qlora_does_not_accumulate_under_fsdp": (
+    "_trl_qlora_does_not_accumulate_under_fsdp": (
         DPO_TINY,
         ACCELERATE_FSDP2,
         ["--load_in_4bit", "true", "--bf16", "true", "--gradient_accumulation_steps", "2"],
-        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in the preference trainers' backward",
+        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in TRL's preference and GRPO trainers' "
+        "backward",
     ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,
@@ -331,14 +366,36 @@ def test_every_rule_has_a_case():
     assert sorted(RULE_NAMED) == sorted(CASES)
 
 
-def test_every_rule_guards_a_procedure_and_only_the_preference_refusals_skip_sft():
-    assert all(guarded and set(guarded) <= {SFT, PREFERENCE} for guarded in RULES.values())
+TRL_REFUSALS = [
+    "_trl_recipes_run_off_xla",
+    "_trl_recipes_run_without_eva",
+    "_trl_recipes_run_under_fsdp2",
+    "_trl_qlora_does_not_accumulate_under_fsdp",
+]
+PARSERS = {SFT: parse_recipe_config, PREFERENCE: parse_preference_config, RL: parse_rl_config}
+
+
+def test_every_rule_guards_a_procedure_and_only_the_trl_recipes_rules_skip_sft():
+    assert all(guarded and set(guarded) <= {SFT, PREFERENCE, RL} for guarded in RULES.values())
     assert [rule.__name__ for rule, guarded in RULES.items() if SFT not in guarded] == [
-        "_preference_runs_off_xla",
-        "_preference_runs_without_eva",
-        "_preference_runs_under_fsdp2",
-        "_preference_qlora_does_not_accumulate_under_fsdp",
+        "_preference_beta_is_positive",
+        "_rl_loss_is_known",
+        "_rl_has_rewards",
+        "_rl_groups_fill_the_batch",
+        "_rl_checkpoints_on_generation_boundaries",
+        *TRL_REFUSALS,
     ]
+    assert all(RULES[RULE_NAMED[name]] == (PREFERENCE, RL) for name in TRL_REFUSALS)
+
+
+def _refused(config, env, argv, procedure, monkeypatch, tmp_path) -> str:
+    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as error:
+        PARSERS[procedure](["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
+    return str(error.value)
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
@@ -347,15 +404,16 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
     placeholders = {"{" + name + "}": path for name, path in odd_models.items()}
     for placeholder, path in placeholders.items():
         argv, message = [a.replace(placeholder, path) for a in argv], message.replace(placeholder, path)
-    for key in [k for k in __import__("os").environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    procedure = parse_recipe_config if SFT in RULES[RULE_NAMED[rule]] else parse_preference_config
-    with pytest.raises(ConfigError) as error:
-        procedure(["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
-    lines = str(error.value).split("\n")
-    assert len(lines) == 1 and lines[0].startswith(message), str(error.value)
+    procedure = RULES[RULE_NAMED[rule]][0]
+    problem = _refused(config, env, argv, procedure, monkeypatch, tmp_path)
+    lines = problem.split("\n")
+    assert len(lines) == 1 and lines[0].startswith(message), problem
+
+
+@pytest.mark.parametrize("rule", TRL_REFUSALS)
+def test_the_grpo_recipes_get_the_refusals_of_trls_trainers(rule, monkeypatch, tmp_path):
+    _, env, argv, message = CASES[rule]
+    assert _refused(GRPO_TINY, env, argv, RL, monkeypatch, tmp_path).startswith(message)
 
 
 @pytest.mark.parametrize(
@@ -436,4 +494,4 @@ def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatc
     with pytest.raises(ConfigError, match=r"^init_lora_weights: eva on XLA \(PJRT_DEVICE=CPU\): its data pass is"):
         parse_recipe_config(base, LORA_TINY, str(tmp_path))
     monkeypatch.delenv("PJRT_DEVICE")
-    assert _preference_runs_without_eva(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
+    assert _trl_recipes_run_without_eva(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft")

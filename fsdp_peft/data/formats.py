@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,19 +157,29 @@ def held_out_example(example: Example) -> Example:
 
 def read_examples(path: Path, data_format: str = "auto") -> list[Example]:
     """The rows of one data file as `Example`s; the first bad row is an error naming file and row."""
-    ((where, table),) = read_source(Source((Path(path),)))
-    data_format = data_format if data_format != "auto" else detect_format(columns_of(where, table), where)
-    examples = []
-    for raw in table:
-        try:
-            row = json.loads(raw["__json__"]) if "__json__" in raw else raw
-            if not isinstance(row, dict):
-                raise BadRow("wrong type", f"a row must be a JSON object, got {type(row).__name__}")
-            examples.append(parse_row(row, data_format))
-        except json.JSONDecodeError as error:
-            raise ConfigError(BadRow("invalid JSON", f"not valid JSON ({error.msg})").message(where, raw["__row__"]))
-        except BadRow as bad:
-            raise ConfigError(bad.message(where, raw["__row__"])) from None
+    examples, _ = source_examples(Source((Path(path),)), data_format)
     if not examples:
         raise ConfigError(f"{path}: no rows")
     return examples
+
+
+def source_examples(source: Source, data_format: str = "auto", skip_invalid: bool = False):
+    """Every row of ``source`` as an `Example`, and the rows dropped per reason (``skip_invalid``; else the first bad
+    row is an error naming file and row)."""
+    examples, dropped = [], Counter()
+    for where, table in read_source(source):
+        row_format = data_format if data_format != "auto" else detect_format(columns_of(where, table), where)
+        for raw in table:
+            try:
+                try:
+                    row = json.loads(raw["__json__"]) if "__json__" in raw else raw
+                except json.JSONDecodeError as error:
+                    raise BadRow("invalid JSON", f"not valid JSON ({error.msg})") from None
+                if not isinstance(row, dict):
+                    raise BadRow("wrong type", f"a row must be a JSON object, got {type(row).__name__}")
+                examples.append(parse_row(row, row_format))
+            except BadRow as bad:
+                if not skip_invalid:
+                    raise ConfigError(bad.message(where, raw["__row__"])) from None
+                dropped[bad.reason] += 1
+    return examples, dropped

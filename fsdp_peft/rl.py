@@ -1,0 +1,221 @@
+"""Online RL (GRPO) through TRL's `GRPOTrainer`, with the SFT trainer's FSDP behaviour and rollouts at unsharded speed.
+
+parse config → claim output_dir → tokenizer → prompts and answers (every row checked) → reward functions
+(imported and tried on the first rows) → model and adapters (optionally from a trained adapter) → trainer →
+held-out exact match and mean reward before → train → save adapter → after → report. The start
+(`fsdp_peft.recipe.start_training`), checkpoints, resume, adapter saving and the CPU FSDP mode are SFT's.
+
+Rollouts are TRL's own sampling code with the same generation config and random state, run while every FSDP2
+unit stays gathered (`fsdp_peft.generation.parameters_gathered`: one all-gather per ``generate`` call, not one per
+layer per decoded token as TRL's path does on a sharded model). With ``beta > 0`` the reference is the policy
+with its adapter disabled, as in the DPO recipes (no second copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from fsdp_peft.config import RL, RecipeArguments
+from fsdp_peft.data.formats import Example, held_out_example, source_examples
+from fsdp_peft.data.sources import data_sources
+from fsdp_peft.data.templates import render_example_prompt
+from fsdp_peft.data.tokenize import describe_dropped
+from fsdp_peft.ending import end_run
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.generation import (
+    GenerationSettings,
+    generate_completions,
+    parameters_gathered,
+    parse_gather_budget,
+)
+from fsdp_peft.log import configure_for_training, logger
+from fsdp_peft.modeling import build_model
+from fsdp_peft.preference import ReferenceWithoutCopy
+from fsdp_peft.recipe import parse_recipe_config, start_training
+from fsdp_peft.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
+from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.trainer import PeftFsdpMixin
+
+
+class RolloutTrainer(ReferenceWithoutCopy, PeftFsdpMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` with the recipes' FSDP behaviour: rollouts with every FSDP2 unit gathered once per call,
+    prompts tokenized as the recipes' own generation tokenizes them, the adapter-disabled policy as reference."""
+
+    def __init__(self, *args, gather_budget: str = "auto", **kwargs):
+        self.gather_budget = gather_budget
+        super().__init__(*args, **kwargs)
+
+    def _tokenize_prompts(self, prompts: list):
+        """Rendered prompts (chat template applied by `fsdp_peft.data`) tokenized without added special tokens, as
+        SFT data and held-out generation tokenize them; chat prompts as TRL does."""
+        if prompts and isinstance(prompts[0], str):
+            return self.processing_class(text=prompts, add_special_tokens=False)["input_ids"], None, {}
+        return super()._tokenize_prompts(prompts)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget)."""
+        arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(*arguments)
+        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget)):
+            return super()._generate_single_turn(*arguments)
+
+
+def grpo_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
+    """TRL's ``GRPOConfig`` and the fields the recipe keys set (the shared ones at GRPO's defaults)."""
+    return GRPOConfig, {
+        "beta": recipe.beta,
+        "loss_type": recipe.loss_type,
+        "num_generations": recipe.num_generations,
+        "max_completion_length": recipe.max_completion_length,
+        "temperature": recipe.temperature,
+        "top_p": recipe.top_p,
+        "top_k": recipe.top_k,
+        "min_p": recipe.min_p,
+        "repetition_penalty": recipe.repetition_penalty,
+        "steps_per_generation": recipe.steps_per_generation,
+        "num_iterations": recipe.num_iterations,
+        "epsilon": recipe.epsilon,
+        "epsilon_high": recipe.epsilon_high,
+        "scale_rewards": recipe.scale_rewards,
+        "mask_truncated_completions": recipe.mask_truncated_completions,
+        "reward_weights": recipe.reward_weights,
+        "remove_unused_columns": False,  # the reward functions read the answer column
+    }
+
+
+def parse_rl_config(argv: list[str], default_config: Path, default_output_dir: str):
+    """Recipe arguments and TRL's ``GRPOConfig``, checked by the rules that guard the RL procedure."""
+    return parse_recipe_config(argv, default_config, default_output_dir, grpo_arguments, RL)
+
+
+def read_prompts(source, tokenizer, recipe: RecipeArguments) -> tuple[list[dict], list[Example]]:
+    """Every row of ``source`` as ``{"prompt": rendered prompt, "answer": expected completion}``, and as the
+    held-out examples generation scores (a chat ends before its last answer, which is the expected one). A prompt
+    longer than ``max_seq_length`` tokens is refused (skipped with ``skip_invalid_rows``): the plan counts on it."""
+    examples, dropped = source_examples(source, recipe.data_format, recipe.skip_invalid_rows)
+    if dropped:
+        logger.warning(f"{source}: skipped {describe_dropped(dropped)} rows (skip_invalid_rows: true)")
+    examples = [held_out_example(example) for example in examples]
+    if not examples:
+        raise ConfigError(f"{source}: no row left to train on; fix the data")
+    rows = [
+        {"prompt": render_example_prompt(tokenizer, e, recipe.use_chat_template), "answer": e.completion}
+        for e in examples
+    ]
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    too_long = [i for i, length in enumerate(lengths) if length > recipe.max_seq_length]
+    if too_long and not recipe.skip_invalid_rows:
+        raise ConfigError(
+            f"{source}: row {too_long[0] + 1}: its prompt has {lengths[too_long[0]]} tokens, above max_seq_length "
+            f"{recipe.max_seq_length} ({len(too_long)} such rows); raise max_seq_length, shorten the prompts, or "
+            "set skip_invalid_rows: true"
+        )
+    if too_long:
+        logger.warning(f"{source}: skipped {len(too_long)} rows whose prompt is longer than max_seq_length")
+        kept = [i for i in range(len(rows)) if i not in set(too_long)]
+        rows, examples = [rows[i] for i in kept], [examples[i] for i in kept]
+    return rows, examples
+
+
+def load_rl_data(recipe: RecipeArguments, tokenizer) -> tuple[Dataset, list[Example]]:
+    """The training prompts (with answers for the rewards) and the held-out examples (eval data, else a split)."""
+    train_source, eval_source = data_sources(recipe)
+    rows, examples = read_prompts(train_source, tokenizer, recipe)
+    if eval_source is not None:
+        return Dataset.from_list(rows), read_prompts(eval_source, tokenizer, recipe)[1]
+    held = int(len(rows) * recipe.eval_split)
+    return Dataset.from_list(rows[held:]), examples[:held]
+
+
+def held_out_rewards(
+    model, tokenizer, examples, recipe, functions, names, device, samples_path: Path | None = None
+) -> dict | None:
+    """Greedy completions of the held-out prompts: exact match and each reward function's mean (rank 0; with
+    ``samples_path``, one JSON line per prompt there)."""
+    if not examples:
+        return None
+    prompts = [render_example_prompt(tokenizer, e, recipe.use_chat_template) for e in examples]
+    settings = dataclasses.replace(GenerationSettings.from_recipe(recipe), max_new_tokens=recipe.max_completion_length)
+    completions = generate_completions(model, tokenizer, prompts, settings, device)
+    if completions is None:
+        return None
+    answers = [e.completion for e in examples]
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    arguments = reward_arguments(rows, completions, ids)
+    means = {}
+    for function, name in zip(functions, names):
+        values = [v for v in function(**arguments) if v is not None]
+        means[name] = sum(values) / len(values) if values else None
+    hits = [c.strip() == a.strip() for c, a in zip(completions, answers)]
+    if samples_path is not None:
+        rows = [
+            {"prompt": e.prompt, "expected": a, "generated": c, "exact": h}
+            for e, a, c, h in zip(examples, answers, completions, hits)
+        ]
+        samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    exact = sum(hits) / len(examples)
+    return {"prompts": len(examples), "exact_match": exact, "rewards": means}
+
+
+class RewardsBeforeTraining(TrainerCallback):
+    """Held-out exact match and rewards on the prepared (sharded) model, before the first step."""
+
+    def __init__(self, score):
+        self.score, self.result = score, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:  # a resumed run is not scored again
+            self.result = self.score(model)
+
+
+def run_grpo(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
+    """The GRPO procedure of `fsdp_peft.recipe.run_recipe`; returns the results dict on rank 0."""
+    started = time.monotonic()
+    recipe, training = parse_rl_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
+    configure_for_training(training)
+    run, checkpoint, tokenizer = start_training(recipe, training)
+    train_data, held_out = load_rl_data(recipe, tokenizer)
+    functions = resolve_reward_funcs(recipe.reward_funcs)
+    first = [train_data[i] for i in range(min(2, len(train_data)))]
+    ids = [tokenizer(row["answer"], add_special_tokens=False)["input_ids"] for row in first]
+    check_reward_funcs(functions, recipe.reward_funcs, first, ids)  # before any weights load
+    model = build_model(recipe, training, tokenizer)
+    samples = held_out[: recipe.generate_samples]
+
+    def score(scored_model, samples_path: Path | None = None):
+        names = recipe.reward_funcs
+        return held_out_rewards(
+            scored_model, tokenizer, samples, recipe, functions, names, training.device, samples_path
+        )
+
+    before = RewardsBeforeTraining(score)
+    trainer = RolloutTrainer(
+        model,
+        reward_funcs=functions,
+        args=training,
+        train_dataset=train_data,
+        processing_class=tokenizer,
+        gather_budget=recipe.generate_gather_budget,
+        fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
+        callbacks=[before],
+        recipe_config=dataclasses.asdict(recipe),
+        run=run,
+    )
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+
+    def measure(output_dir: Path) -> dict:
+        after = score(trainer.model, output_dir / SAMPLES_FILE)
+        return {"loss_name": "GRPO", "held_out_before": before.result, "held_out_after": after}
+
+    return end_run(trainer, recipe, name, RL, started, train_output, measure)

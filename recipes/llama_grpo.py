@@ -1,0 +1,21 @@
+"""GRPO on Llama (3.x) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP2 through TRL's GRPOTrainer.
+
+The procedure is `fsdp_peft.rl.run_grpo` (run through `fsdp_peft.recipe.run_recipe`); this recipe only names its
+default config, ``configs/llama_grpo/tiny.yaml`` (the embedded tiny-llama and reversal task, no GPU or network).
+
+Supports: LoRA or QLoRA (``load_in_4bit``), TRL's GRPO losses and sampling keys (``loss_type``, ``beta``,
+``num_generations``, ``max_completion_length``, ``temperature``, ``top_p``, ...), built-in and your own reward
+functions (``reward_funcs``, ``reward_weights``), rollouts from the sharded model with one all-gather per
+``generate`` call, the reference as the same model with its adapter disabled (``beta > 0``), sharded checkpoints.
+
+    accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_grpo.py [--key value ...]
+"""
+
+from fsdp_peft.catalog import CONFIGS
+from fsdp_peft.recipe import run_recipe
+from fsdp_peft.rl import run_grpo
+
+DEFAULT_CONFIG = CONFIGS / "llama_grpo" / "tiny.yaml"
+
+if __name__ == "__main__":
+    run_recipe("llama_grpo", DEFAULT_CONFIG, procedure=run_grpo)

@@ -1,0 +1,238 @@
+"""GRPO (recipes/llama_grpo.py through TRL's GRPOTrainer): real 2-rank FSDP2 runs against one process.
+
+One short SFT run gives the adapter every GRPO run starts from (the SFT -> GRPO chain; its lora_B is not zero, so
+every LoRA tensor gets a gradient and the KL to the adapter-disabled reference is not zero from the first step).
+With the rollouts held fixed (`tests/distributed/grpo_fixed_rollouts.py`), the loss and gradients of 2 ranks x 16
+completions are compared with one process x 32; with real sampling, the rollouts of the recipe's gathered
+generation are compared with TRL's own per-layer path, and a resumed run with the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, launch_recipe, read_json, run_command, script_launch_command
+
+FIXED_ROLLOUTS = REPO / "tests" / "distributed" / "grpo_fixed_rollouts.py"
+STEPS = 3
+COMMON = [
+    "--max_steps",
+    str(STEPS),
+    "--logging_steps",
+    "1",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "6",
+    "--beta",
+    "0.04",  # the KL term and its adapter-disabled reference pass take part
+    "--learning_rate",
+    "1e-3",
+    "--max_grad_norm",
+    "0",  # the gradients compared are the ones the loss gives, unclipped
+    "--generate_samples",
+    "8",
+    "--disable_tqdm",
+    "true",
+]
+FIXED = ["--reward_funcs", "grpo_fixed_rollouts:token_reward"]
+# a 5-step SFT adapter reverses no word yet: exact_answer alone would give every group the same zero reward
+SAMPLED = ["--reward_funcs", "exact_answer", "tests.distributed.grpo_fixed_rollouts:token_reward"]
+QLORA = ["--load_in_4bit", "true", "--bf16", "true", "--torch_dtype", "bfloat16"]
+
+
+def _launch_fixed(output_dir, *arguments, processes=2):
+    grads = output_dir / "grads.pt"
+    command = script_launch_command(
+        FIXED_ROLLOUTS, "--grads_out", str(grads), "--output_dir", str(output_dir), *arguments, processes=processes
+    )
+    result = run_command(command)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return torch.load(grads)
+
+
+def _logged(output_dir) -> dict[int, dict]:
+    history = read_json(output_dir / "trainer_state.json")["log_history"]
+    return {e["step"]: e for e in history if "loss" in e}
+
+
+@pytest.fixture(scope="module")
+def sft_start(tmp_path_factory):
+    sft = tmp_path_factory.mktemp("sft_start")
+    launch_recipe("llama_lora", "--output_dir", str(sft), "--max_steps", "5", "--generate_samples", "0")
+    return sft / "adapter"
+
+
+@pytest.fixture(scope="module")
+def fixed_runs(tmp_path_factory, sft_start):
+    """LoRA (fp32) with fixed rollouts: 2 ranks x 16 completions, and one process x 32."""
+    start = ["--adapter_name_or_path", str(sft_start)]
+    two, one = tmp_path_factory.mktemp("grpo_two"), tmp_path_factory.mktemp("grpo_one")
+    two_grads = _launch_fixed(two, *COMMON, *FIXED, *start, "--per_device_train_batch_size", "16")
+    one_grads = _launch_fixed(one, *COMMON, *FIXED, *start, "--per_device_train_batch_size", "32", processes=1)
+    return {"two": two, "one": one, "two_grads": two_grads, "one_grads": one_grads}
+
+
+def _compare_first_step(two, one, two_grads, one_grads, bound, metrics=("loss", "kl")):
+    """The first step's loss (and ``metrics``) and every adapter gradient: the same weights and rollouts on both
+    sides, so what differs is only the sharded computation. Each gradient is compared relative to its own norm
+    (the claim is "the same gradient"; an element near zero says nothing about it); the loss relative to itself."""
+    first_two, first_one = _logged(two)[1], _logged(one)[1]
+    assert first_two["reward"] == first_one["reward"]  # the same rollouts and rewards: exactly
+    assert first_one["kl"] > 0  # the reference (adapter disabled) is not the policy: the KL term takes part
+    worst = {k: abs(first_two[k] - first_one[k]) / abs(first_one[k]) for k in metrics}
+    assert sorted(two_grads) == sorted(one_grads) and len(one_grads) == 56  # 7 modules x 2 layers x A, B
+    assert all(g.norm() > 0 for g in one_grads.values())  # from a trained adapter: every tensor gets a gradient
+    worst["gradient"] = max(((two_grads[k] - g).norm() / g.norm()).item() for k, g in one_grads.items())
+    print(f"GRPO 2 ranks vs 1 process, first step, largest relative differences: {worst}")
+    assert max(worst.values()) <= bound, worst
+    later = {s: abs(_logged(two)[s]["loss"] - e["loss"]) for s, e in _logged(one).items() if s > 1}
+    print(f"later steps' absolute loss differences (after Adam steps on both sides): {later}")
+    # rewards depend on the fixed rollouts only: every step sees the same ones on both sides
+    assert {s: e["reward"] for s, e in _logged(two).items()} == {s: e["reward"] for s, e in _logged(one).items()}
+
+
+@pytest.mark.slow
+def test_grpo_loss_and_gradients_on_two_ranks_equal_one_process(fixed_runs):
+    assert read_json(fixed_runs["two"] / "fsdp_layout.json")["world_size"] == 2
+    _compare_first_step(
+        fixed_runs["two"], fixed_runs["one"], fixed_runs["two_grads"], fixed_runs["one_grads"], bound=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_qlora_grpo_on_two_ranks_equals_one_unsharded_process(tmp_path_factory, sft_start):
+    """QLoRA (nf4, bf16 storage and compute), 2 ranks x 16 against one process without FSDP holding the same
+    32 completions as 2 accumulated micro-batches of 16 (bf16 results move with the micro-batch size itself)."""
+    start = ["--adapter_name_or_path", str(sft_start), *QLORA]
+    two, one = tmp_path_factory.mktemp("qlora_two"), tmp_path_factory.mktemp("qlora_one")
+    two_grads = _launch_fixed(two, *COMMON, *FIXED, *start, "--per_device_train_batch_size", "16")
+    grads = one / "grads.pt"
+    unsharded = run_command(
+        [sys.executable, str(FIXED_ROLLOUTS), "--grads_out", str(grads), "--output_dir", str(one), *COMMON, *FIXED]
+        + [*start, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2"],
+    )
+    assert unsharded.returncode == 0, unsharded.stderr[-3000:]
+    # TRL logs the KL of accumulated micro-batches as the mean of their means (2 ranks: the mean over all tokens),
+    # so the one-process KL figure is another statistic; the loss, normalized by the global token count, is not.
+    _compare_first_step(two, one, two_grads, torch.load(grads), bound=1e-4, metrics=("loss",))
+    layout = read_json(two / "fsdp_layout.json")
+    assert {p["dtype"] for p in layout["parameters"] if ".lora_" in p["name"]} == {"float32"}  # not TRL's bf16
+
+
+@pytest.fixture(scope="module")
+def sampled_runs(tmp_path_factory, sft_start):
+    """Real sampling on 2 ranks: the recipe (checkpoint at step 2), TRL's own per-layer generation path
+    (``generate_gather_budget: none``) on the same run, and a resume from the checkpoint."""
+    common = [*COMMON, "--adapter_name_or_path", str(sft_start), "--per_device_train_batch_size", "16", *SAMPLED]
+    common[common.index("--max_steps") + 1] = "4"
+    gathered, stock = tmp_path_factory.mktemp("gathered"), tmp_path_factory.mktemp("stock")
+    launch_recipe("llama_grpo", "--output_dir", str(gathered), *common, "--save_strategy", "steps", "--save_steps", "2")
+    launch_recipe("llama_grpo", "--output_dir", str(stock), *common, "--generate_gather_budget", "none")
+    resumed = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(gathered / "checkpoint-2", resumed / "checkpoint-2")
+    launch_recipe(
+        "llama_grpo", "--output_dir", str(resumed), *common, "--resume_from_checkpoint", str(resumed / "checkpoint-2")
+    )
+    return {"gathered": gathered, "stock": stock, "resumed": resumed}
+
+
+def _metrics(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if not k.startswith(("step_time", "epoch")) and "timing" not in k}
+
+
+@pytest.mark.slow
+def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs):
+    """Same seed, same generator state: the recipe's rollouts (units gathered once per call) and TRL's (a gather
+    per layer per token) give the same completions, hence the same rewards, losses and everything logged."""
+    got, want = _logged(sampled_runs["gathered"]), _logged(sampled_runs["stock"])
+    assert sorted(got) == [1, 2, 3, 4]
+    assert {s: _metrics(e) for s, e in got.items()} == {s: _metrics(e) for s, e in want.items()}
+    assert len({e["reward"] for e in got.values()}) > 1  # the policy moved: rewards are not one constant
+
+
+@pytest.mark.slow
+def test_resume_repeats_the_uninterrupted_rollouts_and_losses_exactly(sampled_runs):
+    got, want = _logged(sampled_runs["resumed"]), _logged(sampled_runs["gathered"])
+    assert sorted(got) == [1, 2, 3, 4]  # 1 and 2 from the checkpoint's trainer state, 3 and 4 trained again
+    assert {s: _metrics(got[s]) for s in got} == {s: _metrics(want[s]) for s in got}
+
+
+@pytest.mark.slow
+def test_results_report_held_out_exact_match_and_rewards_before_and_after(sampled_runs):
+    results = read_json(sampled_runs["gathered"] / "results.json")
+    for moment in ("held_out_before", "held_out_after"):
+        held_out = results[moment]
+        assert held_out["prompts"] == 8 and 0.0 <= held_out["exact_match"] <= 1.0
+        assert list(held_out["rewards"]) == SAMPLED[1:]  # as the YAML names them
+    samples = (sampled_runs["gathered"] / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 8 and {"prompt", "expected", "generated", "exact"} <= set(json.loads(samples[0]))
+    assert (sampled_runs["gathered"] / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_generate_and_export_work_on_grpo_output(sampled_runs, tmp_path):
+    run = sampled_runs["gathered"]
+    command = [sys.executable, "-m", "fsdp_peft.cli"]
+    generated = run_command(
+        [*command, "generate", str(run / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
+    )
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert json.loads(generated.stdout.strip().splitlines()[-1])["prompt"] == "reverse: abcde"
+    exported = run_command(
+        [*command, "export", str(run / "checkpoint-2"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
+    )
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "merged" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_adapter_of_another_rank_is_refused_with_one_line_and_output_dir_left_as_found(sft_start, tmp_path):
+    out = tmp_path / "out"
+    result = run_command(
+        [sys.executable, str(REPO / "recipes" / "llama_grpo.py"), "--output_dir", str(out)]
+        + ["--adapter_name_or_path", str(sft_start), "--lora_r", "8", "--max_steps", "1"]
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: adapter_name_or_path: {sft_start} was trained with lora_r 32, this recipe has 8; set lora_r: 32 to "
+        "continue from it"
+    ]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
+    from fsdp_peft.plan import load_model_config, plan_memory
+
+    config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+    plan = plan_memory(config, 2, 80 * 2**30)
+    model = load_model_config("tiny-llama")
+    head_size = model.hidden_size // model.num_attention_heads
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_size * 4  # fp32 keys and values
+    assert plan.tokens_per_rank == 32 * (64 + 8)  # per_device_train_batch_size x (max_seq_length + completion)
+    assert plan.gpu["rollouts: KV cache, transient (est.)"] == 32 * (64 + 8) * per_token
+    assert any(note.startswith("GRPO: each rank samples 32 completions per generate call") for note in plan.notes)
+
+
+def test_a_prompt_longer_than_max_seq_length_is_refused_with_its_row_or_skipped(tmp_path):
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.data.sources import Source
+    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.modeling import load_tokenizer
+    from fsdp_peft.rl import read_prompts
+
+    rows = [{"prompt": "reverse: abcde", "completion": "edcba"}, {"prompt": "reverse: " + "a" * 40, "completion": "a"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = Source(files=(tmp_path / "train.jsonl",))
+    recipe = RecipeArguments(model_name_or_path="tiny-llama", max_seq_length=30, use_chat_template=False)
+    tokenizer = load_tokenizer(recipe)
+    with pytest.raises(ConfigError, match=r"row 2: its prompt has 49 tokens, above max_seq_length 30 \(1 such rows\)"):
+        read_prompts(path, tokenizer, recipe)
+    kept, examples = read_prompts(path, tokenizer, RecipeArguments(**{**vars(recipe), "skip_invalid_rows": True}))
+    assert [row["answer"] for row in kept] == ["edcba"] and len(examples) == 1
