@@ -103,6 +103,10 @@ class RecipeArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "hub dataset: configuration name"})
     dataset_train_split: str = field(default="train", metadata={"help": "hub dataset: split to train on"})
     dataset_eval_split: str | None = field(default=None, metadata={"help": "hub dataset: split to evaluate on"})
+    dataset_columns: dict | None = field(
+        default=None,
+        metadata={"help": "columns renamed before the format is read, e.g. {question: prompt, answer: completion}"},
+    )
     train_file: str | None = field(
         default=None, metadata={"help": ".jsonl/.json/.parquet/.csv file or directory of them; wins over dataset"}
     )

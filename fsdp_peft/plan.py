@@ -291,6 +291,9 @@ def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_byte
     return min(chunk_tokens, tokens) * model_config.vocab_size * (compute_bytes + upcast + 8)
 
 
+ROLLOUT_ROW = "rollouts, transient (est.)"
+
+
 def kv_cache_bytes_per_token(model_config, compute_bytes: int) -> int:
     """Keys and values of every layer for one token: ``2 x layers x kv heads x head size`` in the compute dtype."""
     heads = model_config.num_attention_heads
@@ -368,8 +371,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         notes.append(
             f"GRPO: each rank samples {sampled} completions per generate call (per_device_train_batch_size x "
             "steps_per_generation), prompts counted at max_seq_length tokens plus max_completion_length; the "
-            "rollouts' KV cache is counted beside the activations (generation and training do not overlap, so "
-            "the total is an upper bound); log-probs come from TRL's fused head, as for DPO"
+            "other ranks' base shards (gathered for the call, up to generate_gather_budget) and the KV cache are "
+            "counted beside the activations (generation and training do not overlap, so the total is an upper "
+            "bound); log-probs come from TRL's fused head, as for DPO"
         )
     elif preference:  # DPO: a pair is chosen + rejected
         tokens *= 2
@@ -427,8 +431,8 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         if preference
         else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     )
-    if rollout_cache:
-        plan.gpu["rollouts: KV cache, transient (est.)"] = rollout_cache
+    if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.generation.parameters_gathered)
+        plan.gpu[ROLLOUT_ROW] = rollout_cache + counts.base_bytes * (shard_over - 1)
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]

@@ -109,6 +109,7 @@ MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; ever
     ("lora_alpha_pattern", ""): "no per-module alphas",
     ("ref_model", ""): "no separate reference (the adapter-disabled model is the reference)",
     ("adapter_name_or_path", ""): "a fresh adapter",
+    ("dataset_columns", ""): "no renamed columns",
     ("top_k", 0): "no top-k filtering when sampling rollouts (TRL's default)",
     ("min_p", 0): "no min-p filtering when sampling rollouts",
 }

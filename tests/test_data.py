@@ -341,3 +341,50 @@ def test_an_unreachable_hub_dataset_is_a_clear_error(tokenizer, monkeypatch):
         "Face hub: .*; check the name, config and split and that the hub is reachable",
     ):
         load_data(recipe(dataset="someone/no-such-data"), tokenizer)
+
+
+def source_rows(config: RecipeArguments) -> list[Example]:
+    from fsdp_peft.data.formats import source_examples
+    from fsdp_peft.data.sources import data_sources
+
+    return source_examples(data_sources(config)[0])[0]
+
+
+GSM8K_LIKE = [{"question": f"reverse: {w}", "answer": w[::-1]} for w in ("abcde", "fghij", "klmno", "pqrst")]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_dataset_columns_renames_columns_before_the_format_is_read(tokenizer, tmp_path, suffix):
+    """GSM8K's question/answer rows read as prompt/completion, from every file type."""
+    renamed = write_rows(tmp_path / "renamed" / f"train{suffix}", GSM8K_LIKE)
+    plain = write_rows(tmp_path / "plain" / f"train{suffix}", PAIRS)
+    mapping = {"question": "prompt", "answer": "completion"}
+    got = source_rows(recipe(train_file=str(renamed), dataset_columns=mapping))
+    assert got == source_rows(recipe(train_file=str(plain))) and len(got) == 4
+
+
+def test_dataset_columns_on_a_hub_dataset(tokenizer, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(GSM8K_LIKE))
+    mapping = {"question": "prompt", "answer": "completion"}
+    config = recipe(dataset="openai/gsm8k", dataset_config="main", dataset_columns=mapping)
+    train, _, _ = load_data(config, tokenizer)
+    assert len(train) == 4
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({"query": "prompt"}, "dataset_columns: {path} has no column 'query' (its columns: answer, question); map"),
+        (
+            {"question": "answer"},
+            "dataset_columns: question -> answer, but {path} already has a column 'answer'; map that one too",
+        ),
+    ],
+)
+def test_dataset_columns_naming_a_missing_or_taken_column_is_one_line(tokenizer, tmp_path, mapping, message):
+    path = write_rows(tmp_path / "train.jsonl", GSM8K_LIKE)
+    with pytest.raises(ConfigError) as error:
+        source_rows(recipe(train_file=str(path), dataset_columns=mapping))
+    assert str(error.value).startswith(message.format(path=path))

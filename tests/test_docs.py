@@ -232,6 +232,10 @@ INSTEAD: dict[str, Run] = {
         GPU,
         **{"launched.yaml": "include: llama_qlora/llama3_1_8b.yaml\nlearning_rate: 1.0e-4\n"},
     ),
+    "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/qwen_grpo.py "
+    "--config configs/qwen_grpo/qwen2_5_7b_gsm8k_qlora.yaml": _validate(
+        "configs/qwen_grpo/qwen2_5_7b_gsm8k_qlora.yaml", "configs/accelerate/fsdp2.yaml", GPU
+    ),
     "accelerate launch --config_file configs/accelerate/fsdp2.yaml recipes/llama_lora.py "
     "--config configs/llama_lora/llama3_1_8b.yaml": _validate(
         "configs/llama_lora/llama3_1_8b.yaml", "configs/accelerate/fsdp2.yaml", GPU

@@ -208,7 +208,7 @@ def test_an_adapter_of_another_rank_is_refused_with_one_line_and_output_dir_left
 
 
 def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
-    from fsdp_peft.plan import load_model_config, plan_memory
+    from fsdp_peft.plan import ROLLOUT_ROW, load_model_config, plan_memory
 
     config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
     plan = plan_memory(config, 2, 80 * 2**30)
@@ -216,7 +216,8 @@ def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
     head_size = model.hidden_size // model.num_attention_heads
     per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_size * 4  # fp32 keys and values
     assert plan.tokens_per_rank == 32 * (64 + 8)  # per_device_train_batch_size x (max_seq_length + completion)
-    assert plan.gpu["rollouts: KV cache, transient (est.)"] == 32 * (64 + 8) * per_token
+    others = plan.gpu["base weights (shard)"]  # 2 ranks: the other rank's shard, gathered for generate
+    assert plan.gpu[ROLLOUT_ROW] == 32 * (64 + 8) * per_token + others
     assert any(note.startswith("GRPO: each rank samples 32 completions per generate call") for note in plan.notes)
 
 
@@ -236,3 +237,48 @@ def test_a_prompt_longer_than_max_seq_length_is_refused_with_its_row_or_skipped(
         read_prompts(path, tokenizer, recipe)
     kept, examples = read_prompts(path, tokenizer, RecipeArguments(**{**vars(recipe), "skip_invalid_rows": True}))
     assert [row["answer"] for row in kept] == ["edcba"] and len(examples) == 1
+
+
+@pytest.mark.slow
+def test_the_gsm8k_config_trains_two_steps_with_the_tiny_qwen_on_gsm8k_shaped_rows(tmp_path):
+    """The real config as shipped (QLoRA, rewards, rollout cycle, dataset_columns), with the tiny model and local
+    rows in GSM8K's columns instead of the download; short lengths so that it runs here."""
+    rows = [
+        {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        for a in range(8)
+        for b in range(4)
+    ]
+    for name, part in (("train.jsonl", rows[:24]), ("eval.jsonl", rows[24:])):
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+    out = tmp_path / "out"
+    launch_recipe(
+        "qwen_grpo",
+        "--config",
+        str(REPO / "configs" / "qwen_grpo" / "qwen2_5_7b_gsm8k_qlora.yaml"),
+        "--model_name_or_path",
+        "tiny-qwen2",
+        "--train_file",
+        str(tmp_path / "train.jsonl"),
+        "--eval_file",
+        str(tmp_path / "eval.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--max_seq_length",
+        "64",
+        "--max_completion_length",
+        "8",
+        "--generate_samples",
+        "4",
+        "--save_strategy",
+        "no",
+        "--logging_steps",
+        "1",
+    )
+    results = read_json(out / "results.json")
+    assert results["steps"] == 2 and list(results["held_out_after"]["rewards"]) == ["math_answer", "math_format"]
+    logged = _logged(out)
+    assert sorted(logged) == [1, 2] and "rewards/math_answer/mean" in logged[1]
+    layout = read_json(out / "fsdp_layout.json")
+    assert {p["dtype"] for p in layout["parameters"] if ".lora_" in p["name"]} == {"float32"}

@@ -9,7 +9,7 @@ for error messages; JSON rows stay text (``__json__``) so that a bad row is repo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import datasets
@@ -32,6 +32,7 @@ class Source:
 
     files: tuple[Path, ...] = ()
     hub: tuple[str, str | None, str] | None = None  # name, config, split
+    renames: tuple[tuple[str, str], ...] = ()  # dataset_columns: (column in the data, the name the formats read)
 
     def __str__(self) -> str:
         if self.hub:
@@ -64,7 +65,16 @@ def _split_in_directory(directory: Path, names: tuple[str, ...]) -> list[Path]:
 
 
 def data_sources(recipe: RecipeArguments) -> tuple[Source, Source | None]:
-    """The train and (optional) eval source the config points at; ``train_file``/``eval_file`` win."""
+    """The train and (optional) eval source the config points at; ``train_file``/``eval_file`` win; each with the
+    column renames of ``dataset_columns``."""
+    train, eval_source = _unrenamed_sources(recipe)
+    renames = tuple((str(old), str(new)) for old, new in (recipe.dataset_columns or {}).items())
+    if not renames:
+        return train, eval_source
+    return replace(train, renames=renames), eval_source and replace(eval_source, renames=renames)
+
+
+def _unrenamed_sources(recipe: RecipeArguments) -> tuple[Source, Source | None]:
     eval_source = Source(tuple(data_files_in(Path(recipe.eval_file).expanduser()))) if recipe.eval_file else None
     if recipe.train_file:
         return Source(tuple(data_files_in(Path(recipe.train_file).expanduser()))), eval_source
@@ -136,13 +146,54 @@ def read_source(source: Source, hub_splits: dict[Source, Dataset] | None = None)
     """Raw rows of each file (or the hub split, from ``hub_splits`` when loaded already), each named."""
     if source.hub:
         loaded = hub_splits.get(source) if hub_splits else None
-        return [(str(source), loaded if loaded is not None else load_hub_split(*source.hub))]
-    if not source.files:
+        parts = [(str(source), loaded if loaded is not None else load_hub_split(*source.hub))]
+    elif not source.files:
         raise ConfigError("data: no .jsonl, .json, .parquet or .csv files found; point dataset or train_file at some")
-    parts = []
-    for path in source.files:
-        if path.suffix not in DATA_EXTENSIONS:
-            raise ConfigError(f"{path}: unknown data file type; use .jsonl, .json, .parquet or .csv")
-        table = _read_json_rows(path) if DATA_EXTENSIONS[path.suffix] == "json" else _read_table(path)
-        parts.append((str(path), table))
-    return parts
+    else:
+        parts = []
+        for path in source.files:
+            if path.suffix not in DATA_EXTENSIONS:
+                raise ConfigError(f"{path}: unknown data file type; use .jsonl, .json, .parquet or .csv")
+            table = _read_json_rows(path) if DATA_EXTENSIONS[path.suffix] == "json" else _read_table(path)
+            parts.append((str(path), table))
+    return [(where, renamed(table, source.renames, where)) for where, table in parts]
+
+
+def renamed(table: Dataset, renames: tuple[tuple[str, str], ...], where: str) -> Dataset:
+    """``table`` with the columns of ``dataset_columns`` renamed (JSON rows: the keys of each row that has them).
+    A column the data lacks, or a new name the data already uses for another column, is one error line."""
+    if not renames:
+        return table
+    mapping = dict(renames)
+    if "__json__" not in table.column_names:
+        columns = set(table.column_names) - {"__row__"}
+    else:
+        rows = [_json_object(text) for text in table["__json__"]]
+        columns = set().union(*(row.keys() for row in rows if row is not None))
+    for old, new in renames:
+        if old not in columns:
+            raise ConfigError(
+                f"dataset_columns: {where} has no column '{old}' (its columns: {', '.join(sorted(columns))}); "
+                "map the columns it has"
+            )
+        if new in columns and new not in mapping:
+            raise ConfigError(
+                f"dataset_columns: {old} -> {new}, but {where} already has a column '{new}'; map that one too "
+                "or pick another name"
+            )
+    if "__json__" not in table.column_names:
+        return table.rename_columns(mapping)
+    texts = [
+        text if row is None else json.dumps({mapping.get(key, key): value for key, value in row.items()})
+        for text, row in zip(table["__json__"], rows)
+    ]
+    return table.remove_columns("__json__").add_column("__json__", texts)
+
+
+def _json_object(text: str) -> dict | None:
+    """A JSON row as a dict, or ``None`` for a row the formats will report (not JSON, not an object)."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
