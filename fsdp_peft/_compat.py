@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 from fsdp_peft.errors import ConfigError
 
@@ -50,6 +51,7 @@ VERIFIED_WITH_TORCH_XLA = {  # the TPU route's own environment (docs/tpu.md): to
     "torch_xla": ("2.9.0", "2.10"),
 }
 UNVERIFIED_VARIABLE = "FSDP_PEFT_UNVERIFIED"
+FSDP2_ACCUMULATED_GRAD = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.to_accumulated_grad_if_needed"
 
 
 def verified_releases() -> dict[str, tuple[str, str]]:
@@ -310,6 +312,14 @@ UPSTREAM: tuple[Upstream, ...] = (
         "fsdp_peft.loading.model_skeleton",
         "the module replacement itself (Linear -> Linear4bit) on the meta skeleton",
         "transformers builds quantized skeletons on meta",
+    ),
+    Upstream(
+        FSDP2_ACCUMULATED_GRAD,
+        ("self",),
+        "fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters",
+        "without gradient sync, FSDP2 converts the unsharded gradient of every parameter, gathered or not",
+        "torch skips parameters that were never unsharded there",
+        mentions=("_unsharded_param", "reduce_dtype"),
     ),
     # TRL's, checked in the processes that import trl (the preference and GRPO recipes)
     Upstream(
@@ -827,6 +837,40 @@ def process_groups_released() -> list[str]:
         mesh._pg_registry.clear()
     gc.collect()
     return process_group_threads()
+
+
+@patch(
+    "torch",
+    ("2.13.0", "2.14"),
+    still_needed=lambda: (
+        "self._unsharded_param.grad is None" in _source(inspect.unwrap(_resolve(FSDP2_ACCUMULATED_GRAD)))
+    ),
+)
+def fsdp2_accumulation_skips_ungathered_parameters() -> None:
+    """Makes FSDP2's ``FSDPParam.to_accumulated_grad_if_needed`` return at once for a parameter its unit never
+    gathered (idempotent; for every FSDP2 model of the process).
+
+    Why: TRL 1.16's fused log-prob head (DPO, KTO, GRPO) reads ``lm_head.weight`` without calling the head's
+    forward, so the output head's own FSDP2 unit (accelerate carves it) is never gathered by its hooks and its
+    ``FSDPParam`` never gets an ``_unsharded_param``. On a micro-step without gradient sync (gradient
+    accumulation) with a reduce dtype set (bf16 mixed precision: QLoRA), torch's final post-backward callback
+    converts every unit's unsharded gradient to the reduce dtype and fails with "'FSDPParam' object has no
+    attribute '_unsharded_param'" (measured: DPO, QLoRA, gradient_accumulation_steps 2, FSDP2 on 2 ranks). A
+    parameter that was never gathered has no unsharded gradient to convert (the frozen head has none at all).
+    Remove when: torch skips parameters that were never unsharded there.
+    """
+    original = FSDPParam.to_accumulated_grad_if_needed
+    if getattr(original, "skips_ungathered", False):
+        return
+
+    @functools.wraps(original)
+    def skipping_ungathered(self) -> None:
+        if not hasattr(self, "_unsharded_param"):  # never gathered: no unsharded gradient
+            return
+        original(self)
+
+    skipping_ungathered.skips_ungathered = True
+    FSDPParam.to_accumulated_grad_if_needed = skipping_ungathered
 
 
 BITSANDBYTES_COMPILING_MODULE = "bitsandbytes.backends.default.ops"

@@ -23,6 +23,7 @@ from datasets import load_from_disk
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
+from fsdp_peft._compat import fsdp2_accumulation_skips_ungathered_parameters
 from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.ending import end_run
@@ -40,15 +41,19 @@ from fsdp_peft.validation import KTO_LOSS_TYPES
 
 
 class ReferenceWithoutCopy:
-    """For TRL's `DPOTrainer` and `KTOTrainer`: the reference is the adapter-disabled policy, adapters as built.
+    """For TRL's `DPOTrainer`, `KTOTrainer` and `GRPOTrainer`: the reference is the adapter-disabled policy,
+    adapters as built.
 
     Two things their ``__init__`` does to a `PeftModel` built by `fsdp_peft.modeling` are undone: the
     frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter is the
     same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
-    `attach_lora` chose, fp32 master weights as in SFT).
+    `attach_lora` chose, fp32 master weights as in SFT). Their fused log-prob head leaves the output head's
+    FSDP2 unit ungathered, which gradient accumulation under mixed precision needs patched
+    (`fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters`).
     """
 
     def __init__(self, model, *args, **kwargs):
+        fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
         dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
         super().__init__(model, *args, **kwargs)
         if "ref" in self.model.peft_config:

@@ -521,19 +521,6 @@ def _trl_recipes_run_under_fsdp2(recipe, training) -> str | None:
     return None
 
 
-def _trl_qlora_does_not_accumulate_under_fsdp(recipe, training) -> str | None:
-    """Measured 2026-12-01 (torch 2.13, trl 1.16): the second micro-step's backward fails inside FSDP2 with
-    "'FSDPParam' object has no attribute '_unsharded_param'" (LoRA and QLoRA SFT accumulate fine)."""
-    accumulation = training.get("gradient_accumulation_steps", 1)
-    if recipe.load_in_4bit and int(accumulation or 1) > 1 and fsdp_settings_for_rules(training) is not None:
-        return (
-            f"gradient_accumulation_steps: {accumulation} with load_in_4bit under FSDP "
-            "fails in TRL's preference and GRPO trainers' backward; set gradient_accumulation_steps: 1 and raise "
-            "per_device_train_batch_size for the same global batch, or train LoRA (load_in_4bit: false)"
-        )
-    return None
-
-
 def _xla_route_can_run(recipe, training) -> str | None:
     """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only (no accelerate FSDP), torch_xla installed."""
     if not on_xla():
@@ -610,7 +597,6 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _trl_recipes_run_off_xla: (PREFERENCE, RL),
     _trl_recipes_run_without_eva: (PREFERENCE, RL),
     _trl_recipes_run_under_fsdp2: (PREFERENCE, RL),
-    _trl_qlora_does_not_accumulate_under_fsdp: (PREFERENCE, RL),
     _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,

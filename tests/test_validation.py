@@ -228,13 +228,6 @@ CASES = {
         [],
         "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit",
     ),
-    "_trl_qlora_does_not_accumulate_under_fsdp": (
-        DPO_TINY,
-        ACCELERATE_FSDP2,
-        ["--load_in_4bit", "true", "--bf16", "true", "--gradient_accumulation_steps", "2"],
-        "gradient_accumulation_steps: 2 with load_in_4bit under FSDP fails in TRL's preference and GRPO trainers' "
-        "backward",
-    ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,
         ACCELERATE_FSDP2,
@@ -370,7 +363,6 @@ TRL_REFUSALS = [
     "_trl_recipes_run_off_xla",
     "_trl_recipes_run_without_eva",
     "_trl_recipes_run_under_fsdp2",
-    "_trl_qlora_does_not_accumulate_under_fsdp",
 ]
 PARSERS = {SFT: parse_recipe_config, PREFERENCE: parse_preference_config, RL: parse_rl_config}
 
