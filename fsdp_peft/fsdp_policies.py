@@ -73,13 +73,18 @@ def reads_its_trainable_tensors(module: torch.nn.Module) -> bool:
     )
 
 
-def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type]):
+def fsdp1_wrap_policy(model: torch.nn.Module, layer_classes: set[type], head_in_root: bool = False):
     """FSDP1 policy: decoder layers, each trainable adapter leaf, and untied embeddings / head.
 
     A peft layer that reads its trainable tensors itself (`reads_its_trainable_tensors`) is a unit holding only
     those, and its frozen ``base_layer`` (which it calls) a unit of its own; a wrapper around such a layer is
-    no unit itself (nothing would be left in it)."""
+    no unit itself (nothing would be left in it). ``head_in_root``: the output head stays in the root unit, whose
+    parameters are gathered for the whole forward, for code that reads its weight without calling it (TRL's
+    fused log-prob head: its own unit would hand it the empty shard)."""
     modules, tied = embeddings_and_head(model)
+    if head_in_root:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        modules = [m for m in modules if m is not head]
     readers = [m for m in model.modules() if reads_its_trainable_tensors(m)]
     own_units = {id(m) for m in readers} | {id(m.base_layer) for m in readers if hasattr(m, "base_layer")}
     if not tied:
@@ -108,13 +113,16 @@ def mixed_precision_policy(fsdp_version: int, mixed_precision: str, reduce_dtype
     return MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None, cast_forward_inputs=True)
 
 
-def configure_fsdp_for_peft(model: torch.nn.Module, accelerator: Accelerator, reduce_dtype: torch.dtype) -> None:
-    """Set the FSDP plugin's wrap and mixed-precision policies for ``model`` (a PEFT model)."""
+def configure_fsdp_for_peft(
+    model: torch.nn.Module, accelerator: Accelerator, reduce_dtype: torch.dtype, head_in_root: bool = False
+) -> None:
+    """Set the FSDP plugin's wrap and mixed-precision policies for ``model`` (a PEFT model); ``head_in_root``: see
+    `fsdp1_wrap_policy`."""
     state = accelerator.state
     plugin = state.fsdp_plugin
     layer_classes = decoder_layer_classes(model, plugin.transformer_cls_names_to_wrap)
     if plugin.fsdp_version == 1:
-        plugin.auto_wrap_policy = fsdp1_wrap_policy(model, layer_classes)
+        plugin.auto_wrap_policy = fsdp1_wrap_policy(model, layer_classes, head_in_root)
     elif getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is not size_based_auto_wrap_policy:
         # accelerate's FSDP2 path only understands a transformer (or size) policy
         plugin.transformer_cls_names_to_wrap = sorted(c.__name__ for c in layer_classes)

@@ -157,10 +157,12 @@ def meta_peft_model(model_config, recipe):
         return peft_wrapped(model, lora_config(recipe, model, shapes_only=True))
 
 
-def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[torch.nn.Parameter]]:
+def fsdp1_flat_parameters(
+    peft_model, layer_classes: set[type], head_in_root: bool = False
+) -> list[list[torch.nn.Parameter]]:
     """The tensors FSDP1 flattens together, one list per unit (`fsdp_peft.fsdp_policies.fsdp1_wrap_policy`, the root
     unit holding what no other unit does): each tensor belongs to the smallest unit around it."""
-    policy = fsdp1_wrap_policy(peft_model, layer_classes)
+    policy = fsdp1_wrap_policy(peft_model, layer_classes, head_in_root)
     units = [peft_model] + [
         m for m in peft_model.modules() if m is not peft_model and policy(module=m, recurse=False, nonwrapped_numel=0)
     ]
@@ -173,7 +175,13 @@ def fsdp1_flat_parameters(peft_model, layer_classes: set[type]) -> list[list[tor
 
 
 def count_model(
-    peft_model, recipe, world_size: int, mixed_precision: str | None, gather_bytes: int, fsdp_version: int = 2
+    peft_model,
+    recipe,
+    world_size: int,
+    mixed_precision: str | None,
+    gather_bytes: int,
+    fsdp_version: int = 2,
+    head_in_root: bool = False,  # FSDP1 under TRL's trainers (fsdp_peft.fsdp_policies.fsdp1_wrap_policy)
 ) -> ModelCounts:
     """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them: FSDP2 splits
     each tensor's dim 0 (`shard_numel`), FSDP1 each unit's flat parameter evenly (`fsdp1_flat_parameters`)."""
@@ -209,7 +217,7 @@ def count_model(
             counts.base_bytes += shard_numel(tuple(parameter.shape), world_size) * base_bytes
     if fsdp_version == 1 and world_size > 1:  # one flat parameter per unit, padded to a multiple of the ranks
         counts.adapter_bytes = counts.base_bytes = counts.adapter_tensors = 0
-        for tensors in fsdp1_flat_parameters(peft_model, set(decoder_layer_classes(inner))):
+        for tensors in fsdp1_flat_parameters(peft_model, set(decoder_layer_classes(inner)), head_in_root):
             numel = sum(
                 math.prod(packed_4bit_shape(p.numel(), storage_bytes)) if id(p) in quantized else p.numel()
                 for p in tensors
@@ -347,7 +355,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     peft_model = meta_peft_model(model_config, recipe)
     version = settings.version if settings is not None else 2
-    counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version)
+    procedure = procedure_of_config(config_path)
+    trl_trainer = procedure in (PREFERENCE, RL)
+    counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version, head_in_root=trl_trainer)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
     optimizer, note = estimated_optimizer_state_bytes(optim, counts.adapter_bytes, counts.adapter_tensors)
@@ -360,8 +370,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     offload = bool(settings and settings.offload_params)
     per_rank = int(training.get("per_device_train_batch_size") or 8)
     tokens = per_rank * recipe.max_seq_length
-    procedure = procedure_of_config(config_path)
-    preference = procedure in (PREFERENCE, RL)
+    preference = trl_trainer
     rollout_cache = 0
     if procedure == RL:  # GRPO: a row is a prompt and one sampled completion
         sequence = recipe.max_seq_length + recipe.max_completion_length

@@ -52,6 +52,8 @@ class ReferenceWithoutCopy:
     (`fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters`).
     """
 
+    head_read_directly = True  # FSDP1: the head stays in the root unit (fsdp_peft.fsdp_policies.fsdp1_wrap_policy)
+
     def __init__(self, model, *args, **kwargs):
         fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
         dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}

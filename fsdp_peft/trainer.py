@@ -52,6 +52,8 @@ class PeftFsdpMixin:
     trainers share this one behaviour (`PeftFsdpTrainer`, `fsdp_peft.preference.PreferenceTrainer`).
     """
 
+    head_read_directly = False  # the loss reads the output head's weight without calling it (TRL's fused head)
+
     def __init__(
         self,
         *args,
@@ -91,7 +93,7 @@ class PeftFsdpMixin:
 
     def _prepare_for_training(self, *args, **kwargs):
         if self.is_fsdp_enabled and not is_sharded(self.model):
-            configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype)
+            configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype, self.head_read_directly)
         if self.is_fsdp_xla_enabled:
             prepare_for_xla_fsdp(self.model, self.args, decoder_layer_classes(self.model))
         with (

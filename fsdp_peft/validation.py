@@ -508,19 +508,6 @@ def _trl_recipes_run_without_eva(recipe, training) -> str | None:
     return None
 
 
-def _trl_recipes_run_under_fsdp2(recipe, training) -> str | None:
-    """TRL 1.16 computes log-probs with ``lm_head.weight`` read outside the head's own forward (its fused,
-    chunked log-prob head), where FSDP1 has no gathered weight (measured: "setStorage ... out of bounds for
-    storage of size 0"); FSDP2 gathers the head's unit around the whole forward."""
-    settings = fsdp_settings_for_rules(training)
-    if settings is not None and settings.version == 1:
-        return (
-            "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit, "
-            "where it is not gathered; use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, or fsdp2.yaml on GPUs)"
-        )
-    return None
-
-
 def _xla_route_can_run(recipe, training) -> str | None:
     """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only (no accelerate FSDP), torch_xla installed."""
     if not on_xla():
@@ -596,7 +583,6 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _precomputed_reference_sees_the_weights: EVERY,
     _trl_recipes_run_off_xla: (PREFERENCE, RL),
     _trl_recipes_run_without_eva: (PREFERENCE, RL),
-    _trl_recipes_run_under_fsdp2: (PREFERENCE, RL),
     _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,

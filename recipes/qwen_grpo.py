@@ -1,4 +1,4 @@
-"""GRPO on Qwen (2.5, 3) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP2 through TRL's GRPOTrainer.
+"""GRPO on Qwen (2.5, 3) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP (2 or 1) through TRL's GRPOTrainer.
 
 The procedure is `fsdp_peft.rl.run_grpo` (run through `fsdp_peft.recipe.run_recipe`); this recipe only names its
 default config, ``configs/qwen_grpo/tiny.yaml`` (the embedded tiny-qwen2 and reversal task, no GPU or network).

@@ -354,38 +354,35 @@ def launched_with_fsdp(monkeypatch, version: int) -> None:
         monkeypatch.setenv(key, value)
 
 
-def test_fsdp1_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
+def test_the_preference_config_is_taken_under_fsdp1_and_fsdp2(monkeypatch, tmp_path, capsys):
     from fsdp_peft.preference import parse_preference_config
 
-    launched_with_fsdp(monkeypatch, 1)
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
-    with pytest.raises(ConfigError) as error:
-        parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
-    assert str(error.value).startswith(
-        "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside"
-    )
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    recipe, training = parse_preference_config(["--output_dir", str(tmp_path), "--beta", "0.2"], config, str(tmp_path))
-    assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
+    for version in (1, 2):
+        launched_with_fsdp(monkeypatch, version)
+        argv = ["--output_dir", str(tmp_path), "--beta", "0.2"]
+        recipe, training = parse_preference_config(argv, config, str(tmp_path))
+        assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
+        accelerate = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
+        cli.main(["validate", str(config), "--accelerate-config", str(accelerate)])
+        assert capsys.readouterr().out.strip() == f"{config}: ok under {accelerate}"
 
 
-def test_validate_gives_the_preference_recipes_refusals_under_the_launch(capsys):
-    """``fsdp-peft validate`` of a DPO config under an FSDP1 accelerate config: the recipe's own one-line refusal,
-    exit code 2, no traceback; under FSDP2 it is ok."""
-    config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
+@pytest.mark.slow
+def test_dpo_under_fsdp1_matches_one_process(runs, tmp_path):
+    """FSDP1 (once refused): the output head stays in the root unit, gathered for the whole forward, where TRL's
+    fused head reads its weight (`fsdp_peft.fsdp_policies.fsdp1_wrap_policy`, ``head_in_root``)."""
     fsdp1 = REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["validate", str(config), "--accelerate-config", str(fsdp1)])
-    assert exited.value.code == 2
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .splitlines()[-1]
-        .startswith("error: fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside")
-    )
-    fsdp2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
-    cli.main(["validate", str(config), "--accelerate-config", str(fsdp2)])
-    assert capsys.readouterr().out.strip() == f"{config}: ok under {fsdp2}"
+    launch_recipe("llama_dpo", "--output_dir", str(tmp_path), *COMMON, accelerate_config=fsdp1)
+    units = read_json(tmp_path / "fsdp_layout.json")["units"]
+    assert not [u for u in units if u.endswith("lm_head")]
+    worst = {}
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+        got, want = _logged(tmp_path, key), _logged(runs["one"], key)
+        assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), key
+        worst[key] = max(abs(got[step] - value) / abs(value) for step, value in want.items() if value)
+    print(f"DPO FSDP1 2 ranks vs 1 process, {STEPS} steps, largest relative differences: {worst}")
+    assert max(worst.values()) <= 1e-5, worst
 
 
 def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import launch_recipe, read_json, run_command
 from fsdp_peft import cli
@@ -78,18 +77,10 @@ def test_the_required_real_configs_ship_for_their_hardware():
 
 @pytest.mark.parametrize("accelerate_config", GPU_ACCELERATE_CONFIGS)
 def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelerate_config, capsys):
-    """Every real config validates under each GPU accelerate config, except that the preference (DPO) configs
-    are refused under FSDP1 with their recipes' own one line (TRL's fused head needs FSDP2)."""
+    """Every real config validates under each GPU accelerate config (DPO and GRPO included, FSDP1 too)."""
     accelerate = CONFIGS / "accelerate" / accelerate_config
-    fsdp1 = yaml.safe_load(accelerate.read_text())["fsdp_config"]["fsdp_version"] == 1
     for config in REAL_CONFIGS:
         command = ["validate", str(config), "--accelerate-config", str(accelerate)]
-        if fsdp1 and config.parent.name.endswith(("_dpo", "_grpo")):
-            with pytest.raises(SystemExit) as exited:
-                cli.main(command)
-            assert exited.value.code == 2, config
-            assert "error: fsdp_version: 1: TRL's preference and GRPO trainers" in capsys.readouterr().err, config
-            continue
         cli.main(command)
         assert capsys.readouterr().out.strip().endswith(f"ok under {accelerate}")
 

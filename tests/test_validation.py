@@ -222,12 +222,6 @@ CASES = {
         "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
         "recipes do not",
     ),
-    "_trl_recipes_run_under_fsdp2": (
-        DPO_TINY,
-        ACCELERATE_FSDP1,
-        [],
-        "fsdp_version: 1: TRL's preference and GRPO trainers read the output head's weight outside its FSDP1 unit",
-    ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,
         ACCELERATE_FSDP2,
@@ -362,7 +356,6 @@ def test_every_rule_has_a_case():
 TRL_REFUSALS = [
     "_trl_recipes_run_off_xla",
     "_trl_recipes_run_without_eva",
-    "_trl_recipes_run_under_fsdp2",
 ]
 PARSERS = {SFT: parse_recipe_config, PREFERENCE: parse_preference_config, RL: parse_rl_config}
 

@@ -21,7 +21,9 @@ import sys
 import zlib
 
 import torch
+import torch.distributed as dist
 import trl.trainer.grpo_trainer
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
 from fsdp_peft import rl
@@ -63,8 +65,8 @@ class FixedRollouts(rl.RolloutTrainer):
 
 
 class FirstGradients(TrainerCallback):
-    """Every trainable parameter's full gradient at the first optimizer step (gathered from the FSDP2 shards on
-    every rank, written by rank 0)."""
+    """Every trainable parameter's full gradient at the first optimizer step (gathered from the FSDP2 shards, or
+    FSDP1's flat parameters, on every rank; written by rank 0)."""
 
     def __init__(self, path: str | None):
         self.path = path
@@ -72,13 +74,38 @@ class FirstGradients(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.path is None or state.global_step != 0:
             return
-        grads = {}
-        for name, parameter in model.named_parameters():
-            if parameter.requires_grad and parameter.grad is not None:
-                grad = parameter.grad
-                grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
+        grads = fsdp1_gradients(model) if isinstance(model, FSDP) else full_gradients(model)
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(grads, self.path)
+
+
+def full_gradients(model) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's full gradient: FSDP2's sharded ones gathered (DTensor), plain ones as they are."""
+    grads = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and parameter.grad is not None:
+            grad = parameter.grad
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
+    return grads
+
+
+def fsdp1_gradients(model) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's full gradient from FSDP1's flat parameters (``use_orig_params: false``): every
+    rank's shard of the flat gradient gathered, cut at the parameters' sizes, named without FSDP's wrappers."""
+    grads = {}
+    for prefix, unit in model.named_modules():
+        handle = unit._handle if isinstance(unit, FSDP) else None
+        if handle is None or handle.flat_param.grad is None:
+            continue
+        shard = handle.flat_param.grad.detach().contiguous()
+        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, shard)
+        flat, offset = torch.cat(shards), 0
+        for fqn, shape, numel in zip(handle.flat_param._fqns, handle.flat_param._shapes, handle.flat_param._numels):
+            name = f"{prefix}.{fqn}" if prefix else fqn
+            grads[name.replace("_fsdp_wrapped_module.", "")] = flat[offset : offset + numel].view(shape).float().clone()
+            offset += numel
+    return grads
 
 
 if __name__ == "__main__":
