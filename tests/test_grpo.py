@@ -190,6 +190,18 @@ def test_results_report_held_out_exact_match_and_rewards_before_and_after(sample
 
 
 @pytest.mark.slow
+def test_grpo_holds_no_second_copy_per_rank_bytes_equal_sft(sampled_runs, sft_start):
+    """beta > 0: the reference is the adapter-disabled policy; parameters, gradients and optimizer state per rank
+    are those of the SFT run of the same model and adapter."""
+    grpo, sft = read_json(sampled_runs["gathered"] / "memory.json"), read_json(sft_start.parent / "memory.json")
+    keys = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "parameter_gradient_optimizer_bytes")
+    for grpo_rank, sft_rank in zip(grpo["ranks"], sft["ranks"], strict=True):
+        assert {k: grpo_rank[k] for k in keys} == {k: sft_rank[k] for k in keys}
+    layout = read_json(sampled_runs["gathered"] / "fsdp_layout.json")
+    assert not [p for p in layout["parameters"] if ".ref." in p["name"]]  # TRL's "ref" adapter was removed
+
+
+@pytest.mark.slow
 def test_generate_and_export_work_on_grpo_output(sampled_runs, tmp_path):
     run = sampled_runs["gathered"]
     command = [sys.executable, "-m", "fsdp_peft.cli"]
