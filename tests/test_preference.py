@@ -170,6 +170,19 @@ def _logged(output_dir, key):
     return {e["step"]: e[key] for e in history if key in e}
 
 
+def _assert_rewards_as_close_as_their_log_probs(got_dir, want_dir, bound: float) -> None:
+    """A reward is beta x (policy - reference log-prob), a difference of two nearly equal log-probs (about -33), and
+    the margin a difference of two rewards: relative to themselves they magnify the log-probs' rounding, so each is
+    held to what its log-probs, equal within ``bound`` of themselves, guarantee (2 of them per reward, 4 per margin)."""
+    beta = read_yaml_config(REPO / "configs" / "llama_dpo" / "tiny.yaml")["beta"]
+    chosen, rejected = _logged(want_dir, "logps/chosen"), _logged(want_dir, "logps/rejected")
+    for key, terms in (("rewards/chosen", 2), ("rewards/rejected", 2), ("rewards/margins", 4)):
+        got, want = _logged(got_dir, key), _logged(want_dir, key)
+        for step in want:
+            largest = max(abs(chosen[step]), abs(rejected[step]))
+            assert abs(got[step] - want[step]) <= terms * beta * bound * largest, (key, step)
+
+
 @pytest.mark.slow
 def test_dpo_on_two_ranks_matches_one_process_with_the_same_global_batch(runs):
     assert read_json(runs["two"] / "fsdp_layout.json")["world_size"] == 2
@@ -179,13 +192,8 @@ def test_dpo_on_two_ranks_matches_one_process_with_the_same_global_batch(runs):
         assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), key
         worst[key] = max(abs(got[step] - value) / abs(value) for step, value in want.items() if value)
     print(f"DPO FSDP2 2 ranks vs 1 process, {STEPS} steps, largest relative differences: {worst}")
-    assert max(v for k, v in worst.items() if k != "rewards/margins") <= 1e-5, worst
-    # The margin is a difference of two nearly equal rewards (each a difference of log-probs near -33):
-    # measured against the rewards it is taken from, it agrees as well as they do.
-    chosen, rejected = _logged(runs["one"], "rewards/chosen"), _logged(runs["one"], "rewards/rejected")
-    got, want = _logged(runs["two"], "rewards/margins"), _logged(runs["one"], "rewards/margins")
-    for step in want:
-        assert abs(got[step] - want[step]) <= 1e-5 * max(abs(chosen[step]), abs(rejected[step])), step
+    assert max(worst[k] for k in ("loss", "logps/chosen", "logps/rejected")) <= 1e-5, worst
+    _assert_rewards_as_close_as_their_log_probs(runs["two"], runs["one"], 1e-5)
     assert _logged(runs["two"], "rewards/accuracies") == _logged(runs["one"], "rewards/accuracies")
 
 
@@ -385,20 +393,7 @@ def test_dpo_under_fsdp1_matches_one_process(runs, tmp_path):
         worst[key] = max(abs(got[step] - value) / abs(value) for step, value in want.items() if value)
     print(f"DPO FSDP1 2 ranks vs 1 process, {STEPS} steps, largest relative differences: {worst}")
     assert max(worst[k] for k in ("loss", "logps/chosen", "logps/rejected")) <= 1e-5, worst
-    # A reward is beta x (policy - reference log-prob), a difference of two nearly equal log-probs (about -33):
-    # relative to itself it magnifies their rounding, so it is held to what its two log-probs guarantee.
-    beta = read_yaml_config(REPO / "configs" / "llama_dpo" / "tiny.yaml")["beta"]
-    for side in ("chosen", "rejected"):
-        got, want, logps = (
-            _logged(d, k)
-            for d, k in (
-                (tmp_path, f"rewards/{side}"),
-                (runs["one"], f"rewards/{side}"),
-                (runs["one"], f"logps/{side}"),
-            )
-        )
-        for step in want:
-            assert abs(got[step] - want[step]) <= 2 * beta * 1e-5 * abs(logps[step]), (side, step)
+    _assert_rewards_as_close_as_their_log_probs(tmp_path, runs["one"], 1e-5)
 
 
 def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
