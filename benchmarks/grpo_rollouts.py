@@ -13,6 +13,10 @@ do the same decoding work. Prints a table and writes ``benchmarks/results/grpo_r
 
     python benchmarks/grpo_rollouts.py
     python benchmarks/grpo_rollouts.py --steps 8 --completion-tokens 32
+
+`benchmarks/gpu_check.py` runs the same modes through `run` on one GPU (any recipe config, launcher config and
+process count), and reads the rest of what the worker records: each step's end, TRL's logged metrics and the
+peak GPU memory.
 """
 
 from __future__ import annotations
@@ -30,50 +34,100 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODES = ("recipe", "stock", "unsharded")
+CPU_FSDP2 = "configs/accelerate/cpu_fsdp2.yaml"
+
+
+class RunFailed(RuntimeError):
+    """A run that exited with an error; the message ends with its standard error."""
 
 
 def timed_recipe(result_path: str) -> None:
-    """Run the GRPO recipe with rollout calls timed (this process is one rank, or the unsharded process)."""
+    """Run the GRPO recipe (this process is one rank, or the unsharded process); rank 0 records in ``result_path``
+    every rollout call (TRL's ``_generate_single_turn``: seconds, this rank's completion tokens), every optimizer
+    step's end, and at the end TRL's logged metrics and the peak GPU memory of training (none on CPU)."""
     import torch
+    from transformers import TrainerCallback
 
     from fsdp_peft import rl
     from fsdp_peft.catalog import CONFIGS
     from fsdp_peft.recipe import run_recipe
 
+    record: dict = {"calls": [], "step_ends": []}
+    on_gpu = torch.cuda.is_available()
+
+    def now() -> float:
+        if on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def write() -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(result_path).write_text(json.dumps(record))
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, *args, **kwargs):
+            record["step_ends"].append(now())
+
+        def on_train_end(self, args, state, *rest, **kwargs):
+            record["log_history"] = state.log_history
+            if on_gpu:
+                record["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
+                record["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            write()
+
     class TimedRollouts(rl.RolloutTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.generation_config.min_new_tokens = self.args.max_completion_length  # the same work in every run
-            self.calls = []
+            self.add_callback(Record())
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
-            started = time.perf_counter()
+            started = now()
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            self.calls.append((time.perf_counter() - started, sum(len(c) for c in completion_ids)))
-            if int(os.environ.get("RANK", "0")) == 0:
-                Path(result_path).write_text(json.dumps({"calls": self.calls}))
+            record["calls"].append((now() - started, sum(len(c) for c in completion_ids)))
+            write()
             return completion_ids, logprobs
 
     rl.RolloutTrainer = TimedRollouts
     run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.run_grpo)
 
 
-def run(mode: str, args: argparse.Namespace, directory: Path) -> dict:
+def run(
+    mode: str,
+    directory: Path,
+    *,
+    steps: int,
+    completions: int,
+    completion_tokens: int,
+    recipe_args: tuple[str, ...] = (),
+    sharded_processes: int = 2,
+    accelerate_config: str = CPU_FSDP2,
+    timeout: float | None = None,
+) -> dict:
+    """One run of `recipes/llama_grpo.py` in ``mode`` (``recipe_args`` first: ``--config FILE`` and other keys),
+    ``completions`` per step over all ranks; returns what its worker recorded (`timed_recipe`), with the number of
+    ``processes`` and the run's ``output_dir``. Raises `RunFailed`, or ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds."""
     result = directory / f"{mode}.json"
-    processes = 1 if mode == "unsharded" else 2
+    processes = 1 if mode == "unsharded" else sharded_processes
     overrides = [
+        *recipe_args,
         "--output_dir",
         str(directory / mode),
         "--max_steps",
-        str(args.steps),
+        str(steps),
         "--per_device_train_batch_size",
-        str(args.completions // processes),
+        str(completions // processes),
         "--num_generations",
         "8",
         "--max_completion_length",
-        str(args.completion_tokens),
+        str(completion_tokens),
         "--generate_samples",
         "0",
         "--save_strategy",
@@ -84,20 +138,26 @@ def run(mode: str, args: argparse.Namespace, directory: Path) -> dict:
         "none" if mode == "stock" else "auto",
     ]
     script = [str(Path(__file__).resolve()), "--worker", str(result)]
-    if processes == 1:
+    if mode == "unsharded":
         command = [sys.executable, *script, *overrides]
     else:
-        launcher = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_fsdp2.yaml"]
-        command = [sys.executable, *launcher, "--main_process_port", str(free_port()), *script, *overrides]
+        launcher = ["-m", "accelerate.commands.launch", "--config_file", accelerate_config]
+        launcher += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
+        command = [sys.executable, *launcher, *script, *overrides]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
     if finished.returncode != 0:
-        sys.exit(f"{mode} run failed:\n{finished.stderr[-4000:]}")
-    calls = json.loads(result.read_text())["calls"][1:]  # the first call warms up
+        raise RunFailed(f"{mode} run failed:\n{finished.stderr[-4000:]}")
+    return {**json.loads(result.read_text()), "processes": processes, "output_dir": str(directory / mode)}
+
+
+def rollout_figures(record: dict) -> dict:
+    """Generated tokens/s of a run's rollout calls, all ranks together; the first call warms up and is left out."""
+    calls = record["calls"][1:]
     seconds = sum(s for s, _ in calls) / len(calls)
-    tokens = sum(t for _, t in calls) / len(calls) * processes  # every rank decodes its own completions
+    tokens = sum(t for _, t in calls) / len(calls) * record["processes"]  # every rank decodes its own completions
     return {
-        "processes": processes,
+        "processes": record["processes"],
         "calls_timed": len(calls),
         "seconds_per_call": seconds,
         "tokens_per_call": tokens,
@@ -123,8 +183,12 @@ def main() -> None:
     if args.worker:
         sys.argv = [sys.argv[0], *recipe_overrides]
         return timed_recipe(args.worker)
+    sizes = {"steps": args.steps, "completions": args.completions, "completion_tokens": args.completion_tokens}
     with tempfile.TemporaryDirectory(prefix="grpo_rollouts_") as directory:
-        runs = {mode: run(mode, args, Path(directory)) for mode in MODES}
+        try:
+            runs = {mode: rollout_figures(run(mode, Path(directory), **sizes)) for mode in MODES}
+        except RunFailed as failed:
+            sys.exit(str(failed))
     for mode, r in runs.items():
         print(
             f"{mode:>10}: {r['tokens_per_second']:8.1f} tokens/s  ({r['seconds_per_call']:.3f} s per call of "
