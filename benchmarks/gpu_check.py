@@ -1,5 +1,6 @@
 """GPU check (driven by benchmarks/gpu_check.sh): LoRA and QLoRA on one GPU, fsdp-peft against plain
-transformers `Trainer` + peft with the same settings, for a ~1B and an 8B-shaped random-weight Llama.
+transformers `Trainer` + peft with the same settings, for a ~1B and an 8B-shaped random-weight Llama; and the
+GRPO recipe on the ~1B shape: its rollouts against the unsharded model and stock TRL, and a few training steps.
 
 Each run is its own process (clean peak-memory counters) and trains ``--steps`` optimizer steps on random
 token ids (``--seq`` tokens per row, ``--batch`` rows per step, bf16, gradient checkpointing, AdamW, LoRA
@@ -19,6 +20,27 @@ MFU = model FLOPs per token x tokens/s / peak dense bf16 FLOPs of the GPU. Model
 LoRA training: 4 x (frozen matmul parameters, head included) [forward + input gradients] + 6 x (adapter
 parameters) + 12 x layers x seq x hidden [attention scores and values, forward and backward]; the
 recomputation of gradient checkpointing is not counted (it is not model work).
+
+GRPO runs (``grpo`` in ``--shapes``; `recipes/llama_grpo.py` on the ``--grpo-shape`` model, launched by
+`benchmarks/grpo_rollouts.py`'s `run`, which times every rollout call): the embedded reversal prompts, groups of 8,
+``completions`` per step of exactly ``completion_tokens`` tokens each (EOS held off), LoRA r=16 (dropout 0) on all
+linear layers, bf16, activation checkpointing, ``loss_type: dapo``, ``beta: 0``, the exact-answer reward. Modes,
+most important first:
+
+- ``grpo recipe``, LoRA and QLoRA: FSDP2 through accelerate (``configs/accelerate/fsdp2.yaml --num_processes 1``:
+  one rank, on one GPU or, in the dry run, the CPU), every unit gathered once per ``generate`` call;
+- ``grpo unsharded``: one process, no FSDP (``python recipes/llama_grpo.py``);
+- ``grpo stock``: the recipe's launch with ``generate_gather_budget: none``: TRL 1.16's path, each layer gathered
+  and freed again at every decoded token (one rank: a copy and an allocation per layer and token, no communication;
+  a gather over NCCL between GPUs costs more, which one GPU cannot show).
+
+Measured, over the steps after the first: rollout tokens/s (generated tokens over the rollout calls' time), tokens/s
+of the whole step (prompt and completion tokens, TRL's ``num_tokens``) and of its training part (the step less its
+rollout call), peak GPU memory of training (rollouts included), the planner's estimate, and whether every logged
+loss and reward is finite (random weights never produce the answer: the reward is 0 and so is the DAPO loss; what
+is checked is that the steps run and log numbers). The LoRA runs of the three modes give ``grpo_rollouts``: the
+recipe's rollout speed over the unsharded model's and over stock TRL's. The dry run keeps to two of the four runs
+(`GRPO_DRY_RUNS`) to keep CI's time.
 
     python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny model, tiny sizes, same code path
 """
@@ -48,6 +70,15 @@ SIZES = {  # model shape: rows per step, tokens per row
     "8b": {"batch": 4, "seq": 2048},
     "tiny": {"batch": 2, "seq": 32},
 }
+GRPO_SIZES = {  # GRPO model shape: completions per step, tokens per completion, steps (the first one untimed)
+    "1b": {"completions": 64, "completion_tokens": 128, "steps": 4},
+    "tiny": {"completions": 8, "completion_tokens": 8, "steps": 2},
+}
+GRPO_RUNS = (("recipe", "lora"), ("recipe", "qlora"), ("unsharded", "lora"), ("stock", "lora"))  # most important first
+# The dry run (CI) keeps to two runs, ~13 s each on 2 cores (start-up): both launches, both methods; the other two
+# differ from these only in one recipe key (generate_gather_budget: none) or the method.
+GRPO_DRY_RUNS = (("recipe", "qlora"), ("unsharded", "lora"))
+GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry run) the CPU
 
 
 def checkpoint(shape: str, device: str) -> Path:
@@ -65,6 +96,11 @@ def checkpoint(shape: str, device: str) -> Path:
 
         gc.collect()
         torch.cuda.empty_cache()
+    return path
+
+
+def write_yaml(path: Path, values: dict) -> Path:
+    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
     return path
 
 
@@ -91,9 +127,44 @@ def recipe_yaml(directory: Path, model: Path, method: str, batch: int, seq: int,
         "disable_tqdm": True,
         "seed": 0,
     }
-    path = directory / "config.yaml"
-    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in values.items()))
-    return path
+    return write_yaml(directory / "config.yaml", values)
+
+
+def grpo_yaml(directory: Path, model: Path, method: str, batch: int, completion_tokens: int, steps: int) -> Path:
+    """The GRPO recipe config of a GRPO run (``batch`` completions per rank and step; also what the planner reads)."""
+    values = {
+        "model_name_or_path": str(model),
+        "torch_dtype": "bfloat16",
+        "load_in_4bit": method == "qlora",
+        "bnb_4bit_quant_storage": "bfloat16",
+        **LORA,
+        "lora_dropout": 0.0,  # as the GRPO configs ship: rollouts and training see the same adapter
+        "dataset": "tiny-reverse",
+        "use_chat_template": True,
+        "max_seq_length": 64,
+        "reward_funcs": ["exact_answer"],
+        "num_generations": 8,
+        "max_completion_length": completion_tokens,
+        "temperature": 1.0,
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "generate_samples": 0,
+        "per_device_train_batch_size": batch,
+        "activation_checkpointing": True,
+        "activation_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": True,
+        "max_steps": steps,
+        "learning_rate": 1e-5,
+        "lr_scheduler_type": "constant",
+        "optim": "adamw_torch",
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "output_dir": str(directory / "out"),
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return write_yaml(directory / "grpo.yaml", values)
 
 
 def random_rows(vocab: int, rows: int, seq: int):
@@ -224,6 +295,7 @@ def environment() -> dict:
     import peft
     import torch
     import transformers
+    import trl
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
@@ -242,6 +314,7 @@ def environment() -> dict:
             "accelerate": accelerate.__version__,
             "peft": peft.__version__,
             "bitsandbytes": bitsandbytes.__version__,
+            "trl": trl.__version__,
         },
     }
 
@@ -252,7 +325,8 @@ def drive(args) -> None:
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = ["tiny"] if args.dry_run else args.shapes.split(",")
+    order = (args.shapes or ("tiny,grpo" if args.dry_run else "1b,grpo,8b")).split(",")
+    grpo_shape = "tiny" if args.dry_run else args.grpo_shape
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
     report = {
         **environment(),
@@ -261,7 +335,7 @@ def drive(args) -> None:
         "settings": {
             **LORA,
             "steps": args.steps,
-            "sizes": {s: SIZES[s] for s in shapes},
+            "sizes": {s: SIZES[s] for s in order if s in SIZES},
             "bf16": True,
             "gradient_checkpointing": True,
             "optim": "adamw_torch",
@@ -269,9 +343,25 @@ def drive(args) -> None:
         "runs": [],
         "skipped": [],
     }
+    grpo_runs = GRPO_DRY_RUNS if args.dry_run else GRPO_RUNS
+    if "grpo" in order:
+        report["settings"]["grpo"] = {
+            "model": grpo_shape,
+            **GRPO_SIZES[grpo_shape],
+            "launch": f"{GRPO_LAUNCH} --num_processes 1",
+            "runs": [" ".join(r) for r in grpo_runs],
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for shape in shapes:
+    for item in order:
+        shape = grpo_shape if item == "grpo" else item
         path = checkpoint(shape, device)
+        if item == "grpo":
+            for mode, method in grpo_runs:
+                entry = {"model": shape, "method": method, "impl": f"grpo {mode}"}
+                measured(entry, lambda left: grpo_run(entry, mode, path, gpu_memory, left), args, report, started)
+            report["grpo_rollouts"] = grpo_summary(report["runs"])
+            args.out.write_text(json.dumps(report, indent=1))
+            continue
         for method in ("lora", "qlora"):
             directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_{shape}_{method}_"))
             size = SIZES[shape]
@@ -279,48 +369,143 @@ def drive(args) -> None:
             plan = planned(config, gpu_memory)
             for impl in ("fsdp-peft", "plain"):
                 entry = {"model": shape, "method": method, "impl": impl, "planned": plan}
-                left = args.budget - (time.monotonic() - started)
-                if left < 30:
-                    report["skipped"].append(f"{shape}/{method}/{impl}: time budget spent")
-                    continue
-                out = directory / f"{impl}.json"
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--one",
-                    "--impl",
-                    impl,
-                    "--config",
-                    str(config),
-                    "--result",
-                    str(out),
-                ]
-                try:
-                    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
-                    if child.returncode == 0:
-                        entry.update(json.loads(out.read_text()))
-                    else:
-                        entry["failed"] = (child.stderr.strip().splitlines() or ["no output"])[-1][:500]
-                except subprocess.TimeoutExpired:
-                    entry["failed"] = "time budget spent during the run"
-                if "peak_gpu_allocated_bytes" in entry and entry["peak_gpu_allocated_bytes"]:
-                    entry["planned_over_measured_peak"] = plan["allocator_bytes"] / entry["peak_gpu_allocated_bytes"]
-                report["runs"].append(entry)
-                print_entry(entry)
-                args.out.write_text(json.dumps(report, indent=1))
+                measured(entry, lambda left: sft_run(impl, config, directory, left), args, report, started)
     report["seconds"] = time.monotonic() - started
     args.out.write_text(json.dumps(report, indent=1))
     print(f"written: {args.out}")
 
 
+def measured(entry: dict, run, args, report: dict, started: float) -> None:
+    """``run(seconds left)``'s figures (or why it failed) into ``entry``, and ``entry`` into the report; skipped when
+    less than 30 s of the budget are left."""
+    left = args.budget - (time.monotonic() - started)
+    if left < 30:
+        report["skipped"].append(f"{entry['model']}/{entry['method']}/{entry['impl']}: time budget spent")
+        return
+    run_started = time.monotonic()
+    try:
+        entry.update(run(left))
+    except subprocess.TimeoutExpired:
+        entry["failed"] = "time budget spent during the run"
+    except Exception as error:  # reading a run's figures: one run's failure, not the unattended check's
+        entry["failed"] = f"gpu_check: {type(error).__name__}: {error}"[:500]
+    entry["run_seconds"] = time.monotonic() - run_started
+    if entry.get("peak_gpu_allocated_bytes") and entry.get("planned"):
+        entry["planned_over_measured_peak"] = entry["planned"]["allocator_bytes"] / entry["peak_gpu_allocated_bytes"]
+    report["runs"].append(entry)
+    print_entry(entry)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+def last_line(stderr: str) -> str:
+    return (stderr.strip().splitlines() or ["no output"])[-1][:500]
+
+
+def sft_run(impl: str, config: Path, directory: Path, left: float) -> dict:
+    """One SFT run (`run_one` in a child process)."""
+    out = directory / f"{impl}.json"
+    command = [sys.executable, __file__, "--one", "--impl", impl, "--config", str(config), "--result", str(out)]
+    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
+    if child.returncode != 0:
+        return {"failed": last_line(child.stderr)}
+    return json.loads(out.read_text())
+
+
+def grpo_run(entry: dict, mode: str, model: Path, gpu_memory: int, left: float) -> dict:
+    """One GRPO run of the recipe in ``mode`` (`grpo_rollouts.run`, one process); its plan goes into ``entry`` first."""
+    import grpo_rollouts
+
+    size = GRPO_SIZES[entry["model"]]
+    directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_grpo_{mode}_{entry['method']}_"))
+    config = grpo_yaml(directory, model, entry["method"], size["completions"], size["completion_tokens"], size["steps"])
+    entry["planned"] = planned(config, gpu_memory)
+    try:
+        record = grpo_rollouts.run(
+            mode,
+            directory,
+            steps=size["steps"],
+            completions=size["completions"],
+            completion_tokens=size["completion_tokens"],
+            recipe_args=("--config", str(config)),
+            sharded_processes=1,
+            accelerate_config=GRPO_LAUNCH,
+            timeout=left,
+        )
+    except grpo_rollouts.RunFailed as failed:
+        return {"failed": last_line(str(failed))}
+    return grpo_figures(record)
+
+
+def grpo_figures(record: dict) -> dict:
+    """Rollout, step and training figures of one GRPO run (`grpo_rollouts.timed_recipe`'s record), the steps after
+    the first; one rollout call per step."""
+    import math
+
+    from grpo_rollouts import rollout_figures
+
+    rollouts = rollout_figures(record)
+    ends, calls, logs = record["step_ends"], record["calls"], record.get("log_history", [])
+    seen = {entry["step"]: entry["num_tokens"] for entry in logs if "num_tokens" in entry}  # after each step, all ranks
+    timed = range(1, min(len(ends), len(calls)))
+    seconds = sum(ends[i] - ends[i - 1] for i in timed)
+    training_seconds = seconds - sum(calls[i][0] for i in timed)
+    tokens = sum(seen[i + 1] - seen[i] for i in timed)  # log steps count from 1
+    losses = [entry["loss"] for entry in logs if "loss" in entry]
+    rewards = [entry["reward"] for entry in logs if "reward" in entry]
+    memory = json.loads((Path(record["output_dir"]) / "memory.json").read_text())["ranks"][0]
+    return {
+        "processes": record["processes"],
+        "steps_timed": len(timed),
+        "rollout_tokens_per_second": rollouts["tokens_per_second"],
+        "rollout_seconds_per_call": rollouts["seconds_per_call"],
+        "rollout_tokens_per_call": rollouts["tokens_per_call"],
+        "step_seconds_mean": seconds / len(timed),
+        "tokens_per_step": tokens / len(timed),
+        "tokens_per_second": tokens / seconds,
+        "training_tokens_per_second": tokens / training_seconds,
+        "parameter_gradient_optimizer_bytes": memory.get("parameter_gradient_optimizer_bytes"),
+        "peak_gpu_allocated_bytes": record.get("peak_gpu_allocated_bytes"),
+        "peak_gpu_reserved_bytes": record.get("peak_gpu_reserved_bytes"),
+        "peak_rss_bytes": memory.get("peak_rss_bytes"),
+        "final_loss": losses[-1] if losses else None,
+        "final_reward": rewards[-1] if rewards else None,
+        "loss_and_reward_finite": bool(losses and rewards) and all(math.isfinite(v) for v in losses + rewards),
+    }
+
+
+def grpo_summary(runs: list[dict]) -> dict:
+    """The recipe's rollout speed over the unsharded model's and stock TRL's (the lora runs), where both ran."""
+    speed = {
+        r["impl"]: r["rollout_tokens_per_second"]
+        for r in runs
+        if r["impl"].startswith("grpo ") and r["method"] == "lora" and "rollout_tokens_per_second" in r
+    }
+    recipe = speed.get("grpo recipe")
+    return {
+        f"recipe_over_{other}": recipe / speed[f"grpo {other}"] if recipe and f"grpo {other}" in speed else None
+        for other in ("unsharded", "stock")
+    }
+
+
 def print_entry(entry: dict) -> None:
-    head = f"{entry['model']:<5} {entry['method']:<6} {entry['impl']:<10}"
+    head = f"{entry['model']:<5} {entry['method']:<6} {entry['impl']:<14}"
     if "failed" in entry:
         print(f"{head} failed: {entry['failed']}")
         return
     from fsdp_peft.plan import gib as size
 
     gib = lambda v: size(v) if v else "n/a"  # noqa: E731
+    if "rollout_tokens_per_second" in entry:
+        number = lambda v: f"{v:.4g}" if v is not None else "n/a"  # noqa: E731
+        print(
+            f"{head} rollouts {entry['rollout_tokens_per_second']:>8.0f} tok/s"
+            f"  step {entry['tokens_per_second']:>8.0f} tok/s (training {entry['training_tokens_per_second']:.0f})"
+            f"  peak {gib(entry['peak_gpu_allocated_bytes'])}  planned {gib(entry['planned']['allocator_bytes'])}"
+            f"  loss {number(entry['final_loss'])} reward {number(entry['final_reward'])}"
+            f" ({'finite' if entry['loss_and_reward_finite'] else 'NOT FINITE'})",
+            flush=True,
+        )
+        return
     mfu = f"{entry['mfu']:.1%}" if entry.get("mfu") else "n/a"
     print(
         f"{head} {entry['tokens_per_second']:>9.0f} tok/s  MFU {mfu:>6}  peak {gib(entry['peak_gpu_allocated_bytes'])}"
@@ -334,7 +519,12 @@ def print_entry(entry: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: the embedded tiny model, tiny sizes")
-    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument(
+        "--shapes",
+        help="what runs, in this order: SFT model shapes and grpo (the GRPO runs); default 1b,grpo,8b"
+        " (dry run: tiny,grpo)",
+    )
+    parser.add_argument("--grpo-shape", default="1b", choices=sorted(GRPO_SIZES), help="the GRPO runs' model shape")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first two are not timed)")
     parser.add_argument("--budget", type=float, default=420, help="seconds for all runs together")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.json")

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # GPU check: one unattended run of at most 8 minutes on a single GPU (written for one H200).
 #
-#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B and 8B shapes
+#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B, GRPO and 8B runs
 #   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny model
 #
-# Measures, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama,
-# LoRA and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s,
-# peak GPU memory, model FLOPs utilisation, exact parameter + gradient + optimizer bytes, and the
-# planner's estimate next to the measured peak (benchmarks/gpu_check.py has the details).
+# Measures, in this order: ~1B SFT, GRPO, 8B SFT (no run starts once the time is spent: the 8B runs,
+# the costliest, are the ones a slow machine leaves out; the JSON lists what was skipped):
+# - SFT, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama, LoRA
+#   and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s, peak
+#   GPU memory, model FLOPs utilisation, exact parameter + gradient + optimizer bytes, and the planner's
+#   estimate next to the measured peak;
+# - GRPO (recipes/llama_grpo.py, ~1B shape, 64 completions x 128 tokens per step): rollout tokens/s of
+#   the recipe's generation path (FSDP2, one rank, units gathered once per generate call) against the
+#   unsharded model's generate and stock TRL's path (a gather per layer per decoded token), and a few
+#   training steps of the recipe with LoRA and with QLoRA: tokens/s, peak GPU memory next to the plan,
+#   loss and reward finite.
+# benchmarks/gpu_check.py has the details. The dry run runs two of the four GRPO runs (CI's time).
 # Writes benchmarks/results/gpu_check_<UTC date and time>.json (date, hardware, versions inside) and
 # copies it to benchmarks/results/gpu_check.json. Needs no network when the packages of
 # pyproject.toml are installed; else pip installs them (network needed for that step only).
@@ -36,9 +44,10 @@ fi
 versions() {  # one Python start: the import check and the versions line (fsdp_peft first: its import hook)
     "$PYTHON" - <<'EOF'
 import fsdp_peft
-import torch, transformers, accelerate, peft, bitsandbytes, datasets
+import torch, transformers, accelerate, peft, bitsandbytes, datasets, trl
 print("[gpu_check] torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__,
-      "| accelerate", accelerate.__version__, "| peft", peft.__version__, "| bitsandbytes", bitsandbytes.__version__)
+      "| accelerate", accelerate.__version__, "| peft", peft.__version__, "| bitsandbytes", bitsandbytes.__version__,
+      "| trl", trl.__version__)
 print("[gpu_check] GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)")
 EOF
 }
@@ -46,7 +55,7 @@ if ! versions 2>/dev/null; then
     echo "[gpu_check] installing fsdp-peft and its dependencies (pip install -e .)"
     timeout 180 "$PYTHON" -m pip install --quiet -e . || {
         echo "[gpu_check] pip install failed (no network?): install torch (CUDA build), transformers, accelerate," \
-             "peft, bitsandbytes, datasets and this repository, then rerun" >&2
+             "peft, bitsandbytes, datasets, trl and this repository, then rerun" >&2
         exit 4
     }
     versions
