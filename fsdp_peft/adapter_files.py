@@ -63,10 +63,11 @@ class Adapter:
     recipe: dict = field(default_factory=dict)
     base: dict = field(default_factory=dict)  # the base it was trained on (BASE_FILE); empty when not recorded
 
-    def updates_by_base_key(self) -> dict[str, WeightUpdate]:
-        """``{base tensor key: WeightUpdate}`` (LoRA, DoRA, rsLoRA, patterns, modules_to_save, trainable tokens)."""
+    def updates_by_base_key(self, base_shapes: dict[str, tuple] | None = None) -> dict[str, WeightUpdate]:
+        """``{base tensor key: WeightUpdate}`` (LoRA, DoRA, rsLoRA, patterns, modules_to_save, trainable tokens, and,
+        given the ``base_shapes`` that place them, LoRA on a mixture of experts' expert parameters)."""
         tensors = {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in self.tensors.items()}
-        return adapter_updates(tensors, self.config, self.origin, read_new_tokens(self.origin))
+        return adapter_updates(tensors, self.config, self.origin, read_new_tokens(self.origin), base_shapes)
 
 
 def read_json(path: Path) -> dict:

@@ -70,6 +70,23 @@ class RecipeArguments:
         default_factory=lambda: [AUTO_TARGETS],
         metadata={"help": "module names to adapt, 'all-linear', or 'auto' (the model family's default)"},
     )
+    lora_target_parameters: list[str] = field(
+        default_factory=lambda: [AUTO_TARGETS],
+        metadata={
+            "help": "mixture of experts: expert parameters to adapt (peft target_parameters, e.g. "
+            "mlp.experts.down_proj); 'auto': every expert weight; []: experts frozen (docs/moe.md)"
+        },
+    )
+    train_router: bool = field(
+        default=False, metadata={"help": "mixture of experts: train the router (a full copy) next to the adapters"}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "mixture of experts: weight of the router's load-balancing loss; unset: as the model's config "
+            "says (output_router_logits, router_aux_loss_coef); 0: off"
+        },
+    )
     use_dora: bool = field(default=False, metadata={"help": "DoRA: a trained magnitude per output row"})
     use_rslora: bool = field(default=False, metadata={"help": "rsLoRA: scale alpha / sqrt(r), not alpha / r"})
     init_lora_weights: str = field(
@@ -271,7 +288,14 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
-LIST_KEYS = ("lora_target_modules", "lora_modules_to_save", "new_special_tokens", "reward_funcs", "reward_weights")
+LIST_KEYS = (
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "new_special_tokens",
+    "reward_funcs",
+    "reward_weights",
+)
 
 
 def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:

@@ -51,6 +51,8 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch
+from fsdp_peft.moe import EXPERTS_MODULE
+from fsdp_peft.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
 from fsdp_peft.new_tokens import grown_layout, read_new_tokens, write_grown_model_files
 from fsdp_peft.paths import checkpoint_quantization
 from fsdp_peft.run_files import RESULTS_FILE
@@ -189,11 +191,20 @@ def remove_stale_staging(out: Path) -> int:
 
 
 def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
-    """The weight as QLoRA training saw it: cast to the load dtype, 4-bit quantized, dequantized."""
+    """The weight as QLoRA training saw it: cast to the load dtype, 4-bit quantized, dequantized (a mixture of
+    experts' ``[experts, out, in]`` weight: each expert on its own, `fsdp_peft.moe_quantization`)."""
     import bitsandbytes.functional as bnb_functional  # lazy: only --base-variant nf4 needs it (seconds to import)
 
     load_dtype = getattr(torch, recipe.get("torch_dtype", "bfloat16"))
     storage = getattr(torch, recipe.get("bnb_4bit_quant_storage", "bfloat16"))
+    if weight.dim() == 3:
+        double_quant, quant_type = (
+            recipe.get("bnb_4bit_use_double_quant", True),
+            recipe.get("bnb_4bit_quant_type", "nf4"),
+        )
+        layout = layout_for(weight.shape, quant_type, double_quant, storage)
+        rows = quantize_expert_rows(weight.to(load_dtype).contiguous(), layout)
+        return dequantize_expert_rows(rows, layout, torch.float32)
     packed, state = bnb_functional.quantize_4bit(
         weight.to(load_dtype).contiguous(),
         blocksize=64,
@@ -205,7 +216,10 @@ def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
 
 
 def is_quantized_in_training(key: str, tensor: torch.Tensor) -> bool:
-    """bitsandbytes quantizes the linear layers inside decoder layers (2-D weights under ``layers.``)."""
+    """bitsandbytes quantizes the linear layers inside decoder layers (2-D weights under ``layers.``); QLoRA on a
+    mixture of experts, its 3-D expert weights (`fsdp_peft.moe_quantization`)."""
+    if tensor.dim() == 3:
+        return f".{EXPERTS_MODULE}." in key
     return tensor.dim() == 2 and ".layers." in key and key.endswith(".weight")
 
 
@@ -220,6 +234,15 @@ def output_layout(base_files: dict[str, Path], out_dtype: torch.dtype) -> list[t
     return layout
 
 
+def base_shapes(base_files: dict[str, Path]) -> dict[str, tuple]:
+    """Every base tensor's shape, from the safetensors headers (nothing read beyond them)."""
+    shapes = {}
+    for path, keys in _keys_by_file(base_files).items():
+        header = read_header(path)
+        shapes.update((key, tuple(header[key]["shape"])) for key in keys)
+    return shapes
+
+
 def _keys_by_file(base_files: dict[str, Path]) -> dict[Path, list[str]]:
     by_file: dict[Path, list[str]] = {}
     for key, path in base_files.items():
@@ -232,7 +255,7 @@ def merged_tensors(
 ):
     """Yield ``(key, merged tensor in out_dtype)`` for every base tensor, reading one tensor at a time (merged
     in fp32, rounded once); each yielded tensor is the caller's own (no scratch buffer)."""
-    updates = adapter.updates_by_base_key()
+    updates = adapter.updates_by_base_key(base_shapes(base_files))
     scratch = Scratch()
     replaced = {key for key, update in updates.items() if update.replacement is not None}
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
@@ -316,7 +339,7 @@ def export_merged(
     check_trained_base(adapter, base_dir, allow_base_mismatch)
     check_base_is_unquantized(base_dir)
     files = base_tensor_files(base_dir)
-    check_adapter_fits_base(adapter.updates_by_base_key(), files, adapter, base_dir)
+    check_adapter_fits_base(adapter.updates_by_base_key(base_shapes(files)), files, adapter, base_dir)
     out_dtype = OUTPUT_DTYPES[dtype]
 
     remove_stale_staging(out)

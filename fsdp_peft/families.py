@@ -1,4 +1,4 @@
-"""Model families: what the recipes need to know about Llama, Qwen and Mistral, one entry each.
+"""Model families: what the recipes need to know about Llama, Qwen, Mistral and their MoE kin, one entry each.
 
 An entry is found by the model config's ``model_type``. It names the decoder layer class (one FSDP
 unit each), the modules LoRA adapts by default (``lora_target_modules: [auto]``), the token padding
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_AND_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_AND_MLP = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 AUTO_TARGETS = "auto"
 
 
@@ -30,6 +31,7 @@ class Family:
     chat_template_hint: str  # the fix when use_chat_template is on and the checkpoint has no template
     tiny_model: str | None  # embedded stand-in, built by fsdp_peft.tiny
     tiny_architecture: str | None  # its transformers class
+    router_module: str | None = None  # mixture of experts: the router's module name (``train_router``)
 
 
 FAMILIES = (
@@ -72,6 +74,30 @@ FAMILIES = (
         chat_template_hint="use the -Instruct checkpoint ([INST] template)",
         tiny_model="tiny-mistral",
         tiny_architecture="MistralForCausalLM",
+    ),
+    # Mixtures of experts: LoRA on attention here, on the experts through `fsdp_peft.moe` (3D parameters, not Linear
+    # layers; peft would turn MLP or router names here into expert and router targets of its own choosing)
+    Family(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        decoder_layer="Qwen3MoeDecoderLayer",
+        lora_target_modules=ATTENTION,
+        pad_tokens=("<|endoftext|>",),
+        chat_template_hint="Qwen3 checkpoints ship a ChatML template; check the tokenizer files of your copy",
+        tiny_model="tiny-qwen3-moe",
+        tiny_architecture="Qwen3MoeForCausalLM",
+        router_module="gate",
+    ),
+    Family(
+        name="mixtral",
+        model_types=("mixtral",),
+        decoder_layer="MixtralDecoderLayer",
+        lora_target_modules=ATTENTION,
+        pad_tokens=("<unk>",),
+        chat_template_hint="use the -Instruct checkpoint ([INST] template)",
+        tiny_model="tiny-mixtral",
+        tiny_architecture="MixtralForCausalLM",
+        router_module="gate",
     ),
 )
 

@@ -31,7 +31,9 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import logger
+from fsdp_peft.model_record import record_of
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
+from fsdp_peft.moe_quantization import dequantize_in_forward
 from fsdp_peft.new_tokens import grow_vocabulary, tokenizer_directory
 from fsdp_peft.variants import init_reads_base_weights
 
@@ -102,6 +104,7 @@ def attach_trained_adapter(model, adapter):
     """Wrap ``model`` in the adapter's LoRA layers and load its tensors; every tensor must find its place."""
     config = get_peft_config({k: v for k, v in adapter.config.items() if k != "base_model_name_or_path"})
     peft_model = peft_wrapped(model, config, autocast_adapter_dtype=False)
+    dequantize_in_forward(record_of(model).quantized_experts)  # 4-bit experts (fsdp_peft.moe_quantization)
     result = set_peft_model_state_dict(peft_model, adapter.tensors)
     if result.unexpected_keys:
         raise ConfigError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import re
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of
+from fsdp_peft.moe import EXPERTS_MODULE
+from fsdp_peft.moe_quantization import SUFFIX as EXPERT_SUFFIX
+from fsdp_peft.moe_quantization import quantize_expert_rows, quantized_expert_parameter
 from fsdp_peft.new_tokens import grown_checkpoint_tensor
 from fsdp_peft.safetensors_io import base_tensor_files, read_tensors
 
@@ -101,10 +105,11 @@ def pending_checkpoint(model: torch.nn.Module) -> str | None:
 
 
 def checkpoint_key(name: str) -> str:
-    """A model state-dict name as stored in the base checkpoint (PEFT's wrapper components removed)."""
-    return (
-        name.removeprefix("base_model.model.").replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
-    )
+    """A model state-dict name as stored in the base checkpoint (PEFT's wrapper components removed, and a 4-bit
+    expert parameter's suffix: `fsdp_peft.moe_quantization`)."""
+    key = name.removeprefix("base_model.model.").replace(".token_adapter.base_layer.", ".")
+    key = re.sub(r"(\.base_layer)+\.", ".", key)  # nested wrappers too (peft's LoRA on several parameters)
+    return key.removesuffix(EXPERT_SUFFIX) if f".{EXPERTS_MODULE}." in key else key
 
 
 def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_to_cpu: bool) -> int:
@@ -137,10 +142,15 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
             target = missing[name]
             module = modules[name.rpartition(".")[0]]
             quantize = record.quantize.get(checkpoint_key(name).rpartition(".")[0])
+            experts = quantized_expert_parameter(record.quantized_experts, module, name.rpartition(".")[2])
             full = None
             if rank == 0:
                 _, tensor = next(stream)
-                full, quant_state = _convert(tensor, target.dtype, quantize, device)
+                if experts is not None:  # 4-bit experts: quantized here, as a full model's are after from_pretrained
+                    weight = tensor.to(device, experts.load_dtype)
+                    full, quant_state = quantize_expert_rows(weight, experts.layout), None
+                else:
+                    full, quant_state = _convert(tensor, target.dtype, quantize, device)
                 full = grown_checkpoint_tensor(model, checkpoint_key(name), full)  # new tokens' rows
             if quantize is not None:
                 module.quant_state = _broadcast_quant_state(quant_state if rank == 0 else None, device)

@@ -41,10 +41,20 @@ class WeightUpdate:
     token_indices: list[int] = field(default_factory=list)
     token_rows: torch.Tensor | None = None
     grown: NewTokens | None = None  # new tokens grew this tensor's rows (`fsdp_peft.new_tokens`)
+    experts: int = 0  # LoRA on a stack of experts ``[experts, out, in]``: one A/B pair per expert (peft ParamWrapper)
 
-    def delta_shape(self) -> tuple[int, int]:
+    def delta_shape(self) -> tuple[int, ...]:
         rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
+        if self.experts:
+            return (self.experts, rows, columns)
         return (columns, rows) if self.embedding else (rows, columns)
+
+    def expert_delta(self) -> torch.Tensor:
+        """``scale * B_e @ A_e`` for every expert, as peft's ``ParamWrapper.get_delta_weight`` forms it: A's rows are
+        expert-major ``[experts x r, in]``, B's columns rank-major ``[out, r x experts]``."""
+        a = self.lora_a.float().reshape(self.experts, -1, self.lora_a.shape[-1])
+        b = self.lora_b.float().reshape(self.lora_b.shape[0], -1, self.experts)
+        return torch.einsum("o r e, e r i -> e o i", b, a) * self.scale
 
     def apply(self, weight: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
         """The merged fp32 tensor for base tensor ``weight`` (left unchanged): peft's operations, each in place
@@ -55,6 +65,8 @@ class WeightUpdate:
         if self.grown is not None:  # the base tensor as the run grew it: new rows the mean of the old ones
             weight = with_new_rows(weight, self.grown.ids, self.grown.rows)
         merged = scratch.take("merged", weight.shape).copy_(weight)
+        if self.experts:
+            return merged.add_(self.expert_delta())
         if self.lora_a is not None:
             rows, columns = self.lora_b.shape[0], self.lora_a.shape[1]
             delta = torch.matmul(self.lora_b.float(), self.lora_a.float(), out=scratch.take("delta", (rows, columns)))
@@ -98,12 +110,63 @@ def _token_indices(config: dict, module: str) -> list[int]:
     return list(indices)
 
 
+# peft's LoRA on parameters: one wrapper per adapted parameter of a module, nested (`expert_updates`)
+PARAMETER_WRAPPER_KEY = re.compile(r"(.+?)((?:\.base_layer)*)\.lora_(A|B)(?:\.weight)?")
+
+
+def expert_updates(
+    tensors: dict[str, torch.Tensor], config: dict, origin, base_shapes: dict[str, tuple] | None
+) -> dict[str, WeightUpdate]:
+    """The updates of peft's LoRA on parameters (``target_parameters``: a mixture of experts' 3D weights), taken out
+    of ``tensors``. peft nests one wrapper per adapted parameter of a module, so the adapter names a wrapper
+    (``experts``, ``experts.base_layer``, ...), not the parameter: each is matched to the base parameter of its module
+    whose shape, ``[experts, out, in]``, its A and B fit (``base_shapes``: every base tensor's shape)."""
+    holders = {target.rpartition(".")[0] for target in config.get("target_parameters") or ()}  # "mlp.experts"
+    wrappers: dict[str, dict[str, torch.Tensor]] = {}
+    for key in list(tensors) if holders and base_shapes is not None else ():
+        match = PARAMETER_WRAPPER_KEY.fullmatch(key)
+        if match is None or f"{match[1]}.weight" in base_shapes:  # a Linear layer's LoRA
+            continue
+        if any(not holder or match[1] == holder or match[1].endswith(f".{holder}") for holder in holders):
+            wrappers.setdefault(f"{match[1]}{match[2]}", {})[match[3]] = tensors.pop(key)
+    updates: dict[str, WeightUpdate] = {}
+    for wrapper, pair in wrappers.items():
+        if set(pair) != {"A", "B"}:
+            raise ConfigError(f"{origin}: adapter has an incomplete LoRA pair (A, B) for {wrapper}")
+        module = wrapper.split(".base_layer")[0]
+        a, b = pair["A"], pair["B"]
+        fits = [
+            key
+            for key, shape in (base_shapes or {}).items()
+            if key.rsplit(".", 1)[0] == module
+            and len(shape) == 3
+            and tuple(shape[1:]) == (b.shape[0], a.shape[1])
+            and a.shape[0] % shape[0] == 0
+        ]
+        if len(fits) != 1:
+            found = "no" if not fits else f"{len(fits)}"
+            raise ConfigError(
+                f"{origin}: the LoRA on parameters of {wrapper} ({list(b.shape)} @ {list(a.shape)}) fits {found} "
+                f"[experts, {b.shape[0]}, {a.shape[1]}] parameter of {module} in the base (wrong --base?)"
+            )
+        r = a.shape[0] // base_shapes[fits[0]][0]
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, fits[0], config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        updates[fits[0]] = WeightUpdate(lora_a=a, lora_b=b, scale=scale, experts=base_shapes[fits[0]][0])
+    return updates
+
+
 def adapter_updates(
-    tensors: dict[str, torch.Tensor], config: dict, origin, new_tokens: NewTokens | None = None
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    origin,
+    new_tokens: NewTokens | None = None,
+    base_shapes: dict[str, tuple] | None = None,
 ) -> dict[str, WeightUpdate]:
     """``{base tensor key: WeightUpdate}`` from an adapter's tensors (peft names, prefix removed); ``new_tokens``:
-    the tensors the run grew."""
-    updates: dict[str, WeightUpdate] = {}
+    the tensors the run grew; ``base_shapes``: the base's tensor shapes, which LoRA on parameters needs."""
+    tensors = dict(tensors)
+    updates: dict[str, WeightUpdate] = expert_updates(tensors, config, origin, base_shapes)
     for key in new_tokens.grown if new_tokens is not None else ():
         updates.setdefault(key, WeightUpdate()).grown = new_tokens
     saved_modules = tuple(config.get("modules_to_save") or ())
@@ -134,7 +197,7 @@ def adapter_updates(
             raise ConfigError(f"{origin}: DoRA on an embedding layer ({module}) is not supported by export yet")
         if update.token_rows is not None and len(update.token_indices) != update.token_rows.shape[0]:
             raise ConfigError(f"{origin}: trainable_token_indices of {module} do not match its trained rows")
-        if update.lora_a is not None:
+        if update.lora_a is not None and not update.experts:
             r = update.lora_a.shape[0]
             alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
             update.scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r

@@ -47,6 +47,8 @@ class ModelRecord:
     new_tokens: NewTokens | None = None
     # an init that moves the base weights: the initial A0, B0, for the saved conversion onto the original base
     initial_adapter: dict[str, torch.Tensor] | None = None
+    # QLoRA on a mixture of experts: the MoE blocks whose experts are stored in 4 bits (`fsdp_peft.moe_quantization`)
+    quantized_experts: list = field(default_factory=list)
 
 
 def record_of(model: torch.nn.Module) -> ModelRecord:

@@ -35,7 +35,10 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
+from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of
+from fsdp_peft.moe import configure_router_aux_loss, lora_target_parameters, router_modules
+from fsdp_peft.moe_quantization import dequantize_in_forward, quantize_experts, quantized_share
 from fsdp_peft.new_tokens import add_new_tokens, grow_vocabulary, trained_token_indices
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.residual import (
@@ -58,12 +61,14 @@ def build_model(recipe: RecipeArguments, training: TrainingArguments, tokenizer)
     1. the initialisation that needs the base weights (PiSSA/OLoRA/LoftQ on a 4-bit or low-memory base: a residual
        checkpoint and its initial adapter, computed once; `fsdp_peft.residual`) and 2. the base model, loaded or a
        weightless skeleton, with its attention kernel (`load_base_model`);
+    the router's auxiliary loss of a mixture of experts set as ``router_aux_loss_coef`` says (`fsdp_peft.moe`);
     3. the vocabulary grown to the tokenizer's new tokens (``tokenizer``: `load_tokenizer`; `fsdp_peft.new_tokens`);
     4. the adapters, 5. the compat patches that keep them FSDP-safe, 6. the initial adapter, 7. the trainable
        parameters' dtypes (`attach_lora`).
     """
     set_seed(training.seed)  # before the adapters exist: every rank must draw the same LoRA init
     base = load_base_model(recipe, training)
+    configure_router_aux_loss(base, recipe.router_aux_loss_coef)  # a mixture of experts' load-balancing loss
     grow_vocabulary(base, tokenizer, recipe)
     model = attach_lora(base, recipe, training)
     if recipe.adapter_name_or_path:
@@ -168,6 +173,22 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
     record_of(model).initial_adapter_file = initial_adapter
+    if recipe.load_in_4bit:  # a mixture of experts: its experts too (transformers quantizes Linear layers only)
+        record_of(model).quantized_experts = quantize_experts(
+            model,
+            recipe.bnb_4bit_quant_type,
+            recipe.bnb_4bit_use_double_quant,
+            getattr(torch, recipe.bnb_4bit_quant_storage),
+            getattr(torch, recipe.bnb_4bit_compute_dtype),
+            device,
+        )
+    if recipe.load_in_4bit and pending_checkpoint(model) is None:  # a skeleton's 4-bit layers are not built yet
+        quantized, total = quantized_share(model)
+        logger.info(
+            f"4-bit base: {quantized:,} of its {total:,} weights in 4 bits ({quantized / total:.1%}: linear layers"
+            f"{' and experts' if record_of(model).quantized_experts else ''}); the rest (embeddings, head, norms"
+            f"{', routers' if record_of(model).quantized_experts else ''}) in {recipe.torch_dtype}"
+        )
     return model
 
 
@@ -186,11 +207,21 @@ def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bo
     new tokens (`fsdp_peft.new_tokens`) join the trainable tokens."""
     arguments = lora_config_arguments(recipe, shapes_only)
     arguments["trainable_token_indices"] = trained_token_indices(model, recipe.trainable_token_indices)
+    arguments["target_parameters"] = lora_target_parameters(recipe.lora_target_parameters, model)
+    family = family_of_model(model)
+    if recipe.train_router:  # a full trained copy of every MoE layer's router
+        routers = router_modules(model, family.router_module) if family.router_module else []
+        if not routers:
+            raise ConfigError(
+                f"train_router: {recipe.model_name_or_path} has no router of a known family next to its experts; "
+                "name it in lora_modules_to_save instead, or set train_router: false"
+            )
+        arguments["modules_to_save"] = [*(arguments["modules_to_save"] or []), *routers]
     return LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
-        target_modules=lora_targets(recipe.lora_target_modules, family_of_model(model)),
+        target_modules=lora_targets(recipe.lora_target_modules, family),
         task_type="CAUSAL_LM",
         **arguments,
     )
@@ -211,6 +242,7 @@ def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: Train
     skeleton = pending_checkpoint(model) is not None  # low-memory loading: its adapters must be real all the same
     with adapters_created_off_meta() if skeleton else contextlib.nullcontext():
         peft_model = peft_wrapped(model, config, autocast_adapter_dtype=keep_fp32)
+    dequantize_in_forward(record_of(model).quantized_experts)  # 4-bit experts, adapters sized: dequantized per forward
     if recipe.use_dora:  # the same values, without FSDP1's second graph through the LoRA units (_compat)
         dora_lora_weight_without_graph(peft_model)
     # trainable tokens (and new tokens' rows): the same values, the frozen embedding / head called (FSDP1 gathers it)

@@ -77,3 +77,18 @@ def local_model_config(name: str, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(
         resolve_model_path(name), local_files_only=True, trust_remote_code=trust_remote_code
     )
+
+
+def known_model_config(name: str, trust_remote_code: bool = False):
+    """`local_model_config`, else for a hub model that a shipped config names its published config kept in the
+    package (`shipped_hub_config`): a config without any download. ``OSError``/``ValueError`` as there when neither."""
+    from transformers import AutoConfig  # lazy: as in local_model_config
+
+    try:
+        return local_model_config(name, trust_remote_code)
+    except (OSError, ValueError):
+        shipped = shipped_hub_config(name)
+        if shipped is None:
+            raise
+    values = json.loads(shipped.read_text())
+    return AutoConfig.for_model(values.pop("model_type"), **values)

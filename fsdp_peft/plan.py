@@ -17,7 +17,6 @@ The verdict names the switches that would make a config fit and what each saves.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -35,8 +34,10 @@ from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
+from fsdp_peft.moe import EXPERTS_MODULE, expert_count, expert_width, experts_per_token
+from fsdp_peft.moe_quantization import layout_for
 from fsdp_peft.new_tokens import grow_vocabulary
-from fsdp_peft.paths import local_model_config, resolve_model_path, shipped_hub_config
+from fsdp_peft.paths import known_model_config, resolve_model_path
 from fsdp_peft.validation import check_keys, layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import xla_plan
@@ -69,6 +70,9 @@ class ModelCounts:
     largest_other_unit_gathered_bytes: int = 0  # embeddings or head
     largest_linear_numel: int = 0
     linear_weight_bytes: int = 0  # this rank's shard of the decoder-layer linear weights, unquantized
+    expert_bytes: int = 0  # a mixture of experts: this rank's shard of the expert weights (4-bit rows for QLoRA)
+    largest_expert_numel: int = 0  # one expert parameter of one layer, all experts ([experts, out, in])
+    expert_parameters: int = 0  # elements of every expert weight in the full model
 
 
 @dataclass
@@ -137,6 +141,16 @@ def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
     return (math.ceil((numel + 1) // 2 / storage_bytes), 1)
 
 
+def expert_rows_shape(parameter, recipe, storage_bytes: int) -> tuple[int, ...]:
+    """How an expert parameter ``[experts, out, in]`` is stored: as is, or (QLoRA) as one row of 4-bit bytes and
+    quantization constants per expert (`fsdp_peft.moe_quantization.ExpertLayout`)."""
+    if not recipe.load_in_4bit:
+        return tuple(parameter.shape)
+    storage = getattr(torch, recipe.bnb_4bit_quant_storage)
+    layout = layout_for(parameter.shape, recipe.bnb_4bit_quant_type, recipe.bnb_4bit_use_double_quant, storage)
+    return (parameter.shape[0], layout.row_bytes // storage_bytes)
+
+
 def estimated_quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str) -> int:
     """bitsandbytes ``quant_state`` of one 4-bit weight: absmax per block (+ nested constants), code, offset."""
     blocks = math.ceil(numel / QUANT_BLOCK)
@@ -200,8 +214,18 @@ def count_model(
             counts.largest_linear_numel = max(counts.largest_linear_numel, module.weight.numel())
             counts.linear_weight_bytes += shard_numel(tuple(module.weight.shape), world_size) * base_bytes
     quantized = linear if recipe.load_in_4bit else set()
+    # a mixture of experts' 3D expert weights; QLoRA stores them as rows of 4-bit bytes (fsdp_peft.moe_quantization)
+    experts = {id(p): p for n, p in peft_model.named_parameters() if p.ndim == 3 and f".{EXPERTS_MODULE}." in n}
+    stored_shape = {key: expert_rows_shape(p, recipe, storage_bytes) for key, p in experts.items()}
     for parameter in peft_model.parameters():
-        if parameter.requires_grad:
+        if id(parameter) in experts:
+            counts.base_parameters += parameter.numel()
+            counts.largest_expert_numel = max(counts.largest_expert_numel, parameter.numel())
+            counts.expert_parameters += parameter.numel()
+            element = storage_bytes if recipe.load_in_4bit else base_bytes
+            counts.expert_bytes += shard_numel(stored_shape[id(parameter)], world_size) * element
+            counts.base_bytes += shard_numel(stored_shape[id(parameter)], world_size) * element
+        elif parameter.requires_grad:
             counts.adapter_parameters += parameter.numel()
             counts.adapter_tensors += 1
             counts.adapter_bytes += shard_numel(tuple(parameter.shape), world_size) * adapter_bytes
@@ -219,7 +243,9 @@ def count_model(
         counts.adapter_bytes = counts.base_bytes = counts.adapter_tensors = 0
         for tensors in fsdp1_flat_parameters(peft_model, set(decoder_layer_classes(inner)), head_in_root):
             numel = sum(
-                math.prod(packed_4bit_shape(p.numel(), storage_bytes)) if id(p) in quantized else p.numel()
+                math.prod(packed_4bit_shape(p.numel(), storage_bytes))
+                if id(p) in quantized
+                else math.prod(stored_shape.get(id(p), p.shape))
                 for p in tensors
             )
             if tensors[0].requires_grad:  # the policy keeps trainable and frozen tensors in separate units
@@ -229,7 +255,11 @@ def count_model(
                 counts.base_bytes += math.ceil(numel / world_size) * base_bytes
     if layers:
         counts.layer_gathered_bytes = sum(
-            (math.ceil(p.numel() / 2) if id(p) in quantized else p.numel() * gather_bytes)
+            math.ceil(p.numel() / 2)
+            if id(p) in quantized
+            else math.prod(stored_shape[id(p)]) * storage_bytes
+            if id(p) in experts and recipe.load_in_4bit
+            else p.numel() * gather_bytes
             for p in layers[0].parameters()
         )
     others = [m for m in (inner.get_input_embeddings(), head) if m is not None]
@@ -275,6 +305,9 @@ def activation_bytes(
     """
     h = model_config.hidden_size
     i = getattr(model_config, "intermediate_size", 4 * h)
+    experts = expert_count(model_config)
+    if experts:  # a mixture of experts: each token passes top-k experts' MLPs (and the router: logits, weights)
+        i = experts_per_token(model_config) * expert_width(model_config) + experts
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or h // heads
     kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
@@ -284,6 +317,11 @@ def activation_bytes(
     layers = model_config.num_hidden_layers
     body = tokens * (layers * compute_bytes * h + per_layer) if checkpointing else tokens * layers * per_layer
     body += tokens * compute_bytes * h  # the final norm's input
+    if experts and (recipe.load_in_4bit or recipe.lora_target_parameters):
+        # the experts' weights as their matmuls read them (dequantized, or with LoRA folded in: new tensors, not the
+        # parameters) are saved for backward: every layer's, or with checkpointing the one being recomputed
+        stack = 3 * experts * expert_width(model_config) * h * compute_bytes  # gate_up [2I, h] + down [h, I]
+        body += stack * (1 if checkpointing else layers)
     if recipe.loss_chunk_tokens if chunk_tokens is None else chunk_tokens:
         return body + tokens * (compute_bytes * h + 8)
     return body + tokens * model_config.vocab_size * 4
@@ -316,12 +354,9 @@ def load_model_config(name: str, trust_remote_code: bool = False):
     then any other hub id (its config downloaded)."""
     path = resolve_model_path(name)
     try:
-        return local_model_config(name, trust_remote_code)
+        return known_model_config(name, trust_remote_code)
     except (OSError, ValueError):
-        pass  # not on this machine
-    if (shipped := shipped_hub_config(name)) is not None:
-        values = json.loads(shipped.read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
+        pass  # not on this machine, nor shipped
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
@@ -422,8 +457,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     gathered = 0
     if shard_over > 1:  # current unit + the prefetched one, and the biggest non-layer unit (head / embeddings)
         gathered = 2 * counts.layer_gathered_bytes + counts.largest_other_unit_gathered_bytes
-    if recipe.load_in_4bit:  # one weight dequantized for its matmul
-        gathered += counts.largest_linear_numel * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
+    if recipe.load_in_4bit:  # one weight dequantized for its matmul (a MoE's: every expert of one parameter)
+        largest = max(counts.largest_linear_numel, counts.largest_expert_numel)
+        gathered += largest * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens  # XLA: the model's own loss (fsdp_peft.loss)
     unavailable = chunked_loss_unavailable(peft_model.get_base_model(), SimpleNamespace(**training))
@@ -451,6 +487,12 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         "loading: checkpoint copies (est.)": full_model_bytes * (1 if low_memory else ranks_per_node),
         "offloaded shards": sum(resident.values()) * ranks_per_node if offload else 0,
     }
+    if counts.expert_parameters and recipe.load_in_4bit and not low_memory:
+        loaded = counts.expert_parameters * DTYPE_BYTES[recipe.torch_dtype]
+        plan.notes.append(
+            f"4-bit experts: ordinary loading puts every expert on each GPU in {recipe.torch_dtype} ({gib(loaded)}) "
+            "before quantizing them; fsdp_cpu_ram_efficient_loading: true quantizes them tensor by tensor on rank 0"
+        )
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
     return plan
 

@@ -2,7 +2,8 @@
 
 The tiny Llama's config, the tokenizer and the data ship inside the package (``fsdp_peft/assets``) so
 that a recipe runs on a machine with no network. The other families' tiny models (``tiny-qwen2``,
-``tiny-qwen3``, ``tiny-mistral``; see `fsdp_peft.families`) are the same sizes in their own
+``tiny-qwen3``, ``tiny-mistral``, and the mixtures of experts ``tiny-qwen3-moe`` and ``tiny-mixtral``; see
+`fsdp_peft.families`) are the same sizes in their own
 architecture, configured in `TINY_FAMILY_CONFIGS`, with the same tokenizer. No weights are shipped:
 they are created from a fixed seed and written once to a local cache as an ordinary Hugging Face
 checkpoint, so that loading, 4-bit quantization and everything after it run exactly the code a hub
@@ -100,6 +101,30 @@ TINY_FAMILY_CONFIGS = {
     "tiny-qwen2": {**TINY_SIZES, "use_sliding_window": False},  # q/k/v projections carry a bias
     "tiny-qwen3": {**TINY_SIZES, "head_dim": HEAD_DIM, "attention_bias": False},  # q/k norms per head
     "tiny-mistral": {**TINY_SIZES, "head_dim": HEAD_DIM, "sliding_window": None},
+    # Mixtures of experts: 8 experts of a quarter of the dense MLP's width, 2 per token; the router's auxiliary
+    # loss on (coefficient 0.01), as in a real run's config; Mixtral's router without jitter (what its config says)
+    "tiny-qwen3-moe": {
+        **TINY_SIZES,
+        "head_dim": HEAD_DIM,
+        "attention_bias": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": TINY_SIZES["intermediate_size"] // 4,
+        "norm_topk_prob": True,  # as Qwen3-30B-A3B
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.01,
+    },
+    "tiny-mixtral": {
+        **TINY_SIZES,
+        "head_dim": HEAD_DIM,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": TINY_SIZES["intermediate_size"] // 4,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.01,
+        "router_jitter_noise": 0.0,
+    },
 }
 TINY_MODEL_NAMES = (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
 from fsdp_peft.log import logger
 from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes_loss
 from fsdp_peft.memory import MemoryReport
+from fsdp_peft.moe import RouterAuxLoss, router_aux_loss_weight
 from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
 from fsdp_peft.runs import Run, RunBegins
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
@@ -198,15 +200,36 @@ class PeftFsdpMixin:
 class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
     """`transformers.Trainer` with FSDP settings for PEFT, real FSDP in the CPU mode, adapter saving."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.router_aux_loss = RouterAuxLoss(router_aux_loss_weight(causal_lm_of(self.model)))
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training steps take the chunked loss (`fsdp_peft.loss`) when ``loss_chunk_tokens`` is set; evaluation,
-        which returns logits, keeps the model's own."""
-        if not self.loss_chunk_tokens or return_outputs or "labels" not in inputs or self.compute_loss_func:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels, shift_labels = inputs["labels"], inputs.get("shift_labels")
+        which returns logits, keeps the model's own. A MoE router's auxiliary loss counts once per optimizer step
+        (`fsdp_peft.moe.RouterAuxLoss`)."""
+        chunked = self.loss_chunk_tokens and not return_outputs and "labels" in inputs and not self.compute_loss_func
+        labels, shift_labels = inputs.get("labels"), inputs.get("shift_labels")
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it
-        with head_computes_loss(causal_lm_of(model), labels, self.loss_chunk_tokens, items, shift_labels):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        chunks = head_computes_loss(causal_lm_of(model), labels, self.loss_chunk_tokens, items, shift_labels)
+        with chunks if chunked else contextlib.nullcontext():
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if model.training and items is not None:  # Trainer leaves this loss undivided by the accumulation
+            scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+            accumulation = self.current_gradient_accumulation_steps
+            loss = self.router_aux_loss.corrected(loss, getattr(outputs, "aux_loss", None), scale, accumulation)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs):
+        """Training logs gain the router's auxiliary loss (mean over the forwards since the last log and the ranks)."""
+        if "loss" in logs and self.router_aux_loss.weight:
+            mean = torch.tensor(self.router_aux_loss.pop_mean() or 0.0, dtype=torch.float64)
+            if dist.is_initialized():
+                mean = mean.to(self.args.device)
+                dist.all_reduce(mean)
+                mean = mean / dist.get_world_size()
+            logs["aux_loss"] = round(float(mean), 6)
+        super().log(logs, *args, **kwargs)
 
 
 LAYOUT_FILE = "fsdp_peft_layout.json"

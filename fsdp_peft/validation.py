@@ -36,6 +36,7 @@ from fsdp_peft.fsdp_settings import (
 )
 from fsdp_peft.keys import field_types, key_problems, type_problems, unknown_choice, value_problems
 from fsdp_peft.loading import low_memory_loading_requested
+from fsdp_peft.moe import MOE_RULES
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
@@ -585,6 +586,7 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _trl_recipes_run_without_eva: (PREFERENCE, RL),
     _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
     **dict.fromkeys(VARIANT_RULES, EVERY),
+    **dict.fromkeys(MOE_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,
 }

@@ -103,6 +103,8 @@ MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; ever
     ("max_steps", -1): "train num_train_epochs",
     ("new_special_tokens", ()): "no new tokens",
     ("trainable_token_indices", ()): "no trained token rows",
+    ("lora_target_parameters", ()): "experts frozen (and nothing to adapt on a dense model)",
+    ("router_aux_loss_coef", 0): "the router's load-balancing loss off",
     ("lora_modules_to_save", ()): "no trained copies",
     ("lora_modules_to_save", ""): "no trained copies",
     ("lora_rank_pattern", ""): "no per-module ranks",

@@ -165,10 +165,11 @@ SHIPPED_CONFIGS = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if p.par
 def test_plan_prints_a_table_for_every_shipped_config_without_network(config, capsys, monkeypatch):
     """As on a login node with no network and nothing downloaded: every hub model a shipped config names has its
     published config.json in the package (`fsdp_peft.paths.shipped_hub_config`), and the hub is never asked."""
+    import fsdp_peft.paths as paths
     import fsdp_peft.plan as planner
     from fsdp_peft.paths import resolve_model_path
 
-    read_local = planner.local_model_config
+    read_local = paths.local_model_config
 
     def nothing_downloaded(name, trust_remote_code=False):
         if Path(resolve_model_path(name)).is_dir():  # the embedded tiny models are built, not downloaded
@@ -182,7 +183,7 @@ def test_plan_prints_a_table_for_every_shipped_config_without_network(config, ca
         def from_pretrained(name, **kwargs):
             raise AssertionError(f"the hub was asked for {name}")
 
-    monkeypatch.setattr(planner, "local_model_config", nothing_downloaded)
+    monkeypatch.setattr(paths, "local_model_config", nothing_downloaded)
     monkeypatch.setattr(planner, "AutoConfig", NoHub)
     gpus = ["--gpus", "2"]
     if config.name.startswith("tpu_"):  # planned for its TPU chips, as docs/tpu.md shows

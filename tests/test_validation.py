@@ -18,6 +18,7 @@ QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 DPO_TINY = REPO / "configs" / "llama_dpo" / "tiny.yaml"
 GRPO_TINY = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+MOE_TINY = REPO / "configs" / "qwen_moe_lora" / "tiny.yaml"
 ACCELERATE_FSDP2 = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
@@ -27,6 +28,37 @@ ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 RULE_NAMED = {rule.__name__: rule for rule in RULES}
 CASES = {
+    "_expert_adapters_have_no_dropout": (
+        MOE_TINY,
+        {},
+        ["--lora_dropout", "0.05"],
+        "lora_dropout: 0.05: LoRA on expert parameters (lora_target_parameters, peft's target_parameters) has no "
+        "dropout in peft 0.21; set lora_dropout: 0, or lora_target_parameters: [] to leave the experts frozen",
+    ),
+    "_expert_adapters_are_plain_lora": (
+        MOE_TINY,
+        {},
+        ["--init_lora_weights", "pissa"],
+        "init_lora_weights: pissa: peft 0.21 has neither DoRA nor initialisations from the base weights for expert",
+    ),
+    "_expert_adapters_run_under_fsdp2": (
+        MOE_TINY,
+        ACCELERATE_FSDP1,
+        [],
+        "fsdp: FSDP1 cannot run LoRA on expert parameters: peft reads their adapter weights without calling the",
+    ),
+    "_moe_targets_reach_the_experts": (
+        MOE_TINY,
+        {},
+        ["--lora_target_modules", "all-linear"],
+        "lora_target_modules: all-linear on the mixture of experts tiny-qwen3-moe: peft would also put LoRA on the",
+    ),
+    "_moe_keys_need_a_mixture_of_experts": (
+        LORA_TINY,
+        {},
+        ["--train_router", "true"],
+        "train_router: tiny-llama is not a mixture of experts (its config names no experts); remove train_router",
+    ),
     "_xla_route_can_run": (
         QLORA_TINY,
         {"PJRT_DEVICE": "CPU"},
@@ -480,3 +512,25 @@ def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatc
         parse_recipe_config(base, LORA_TINY, str(tmp_path))
     monkeypatch.delenv("PJRT_DEVICE")
     assert _trl_recipes_run_without_eva(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--lora_target_modules", "all-linear"],
+            "lora_target_modules: all-linear on the mixture of experts tiny-qwen3-moe: peft would also put LoRA on "
+            "the router",
+        ),
+        (["--lora_target_modules", "q_proj", "gate"], "lora_target_modules: gate on the mixture of experts"),
+        (
+            ["--lora_target_parameters", "mlp.experts.up_proj"],
+            "lora_target_parameters: ['mlp.experts.up_proj'] name no expert parameter of tiny-qwen3-moe; it has "
+            "['mlp.experts.down_proj', 'mlp.experts.gate_up_proj'] (auto: all)",
+        ),
+    ],
+)
+def test_a_mixture_of_experts_takes_its_experts_through_lora_target_parameters_only(argv, message, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        parse_recipe_config(["--config", str(MOE_TINY), *argv], MOE_TINY, str(tmp_path))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)

@@ -1,0 +1,16 @@
+"""QLoRA on Qwen3-MoE mixtures of experts (attention and every expert) on a 4-bit base (experts included: nf4, double quantization, bf16 compute), sharded with FSDP2 through the Hugging Face Trainer.
+
+The procedure is `fsdp_peft.recipe.run_recipe`; this recipe only names its default config,
+``configs/qwen_moe_qlora/tiny.yaml`` (the embedded tiny-qwen3-moe, no GPU or network). Experts, router and the
+router's auxiliary loss: docs/moe.md.
+
+    accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_moe_qlora.py [--key value ...]
+"""
+
+from fsdp_peft.catalog import CONFIGS
+from fsdp_peft.recipe import run_recipe
+
+DEFAULT_CONFIG = CONFIGS / "qwen_moe_qlora" / "tiny.yaml"
+
+if __name__ == "__main__":
+    run_recipe("qwen_moe_qlora", DEFAULT_CONFIG)
