@@ -195,3 +195,15 @@ def test_plan_prints_a_table_for_every_shipped_config_without_network(config, ca
         assert exited.code == 1, capsys.readouterr().err  # 1: does not fit, said in the table's last line
     out = capsys.readouterr().out
     assert "parameters" in out and out.strip().splitlines()[-1].startswith(("fits in ", "does not fit in "))
+
+
+def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_its_bf16_bytes():
+    """Qwen3-30B-A3B's experts are 94% of its weights: quantized with them (fsdp_peft.moe_quantization), the base a
+    GPU holds is its shard of the 4-bit rows and linear layers, the bf16 embeddings and head, and the constants."""
+    plan = plan_memory(REPO / "configs" / "qwen_moe_qlora" / "qwen3_30b_a3b.yaml", 2, 24 * 2**30)
+    counts = plan.counts
+    assert counts.expert_parameters / counts.base_parameters > 0.9
+    base = counts.base_bytes + counts.quantization_constant_bytes
+    bf16 = counts.base_parameters * 2 // 2
+    print(f"Qwen3-30B-A3B QLoRA on 2 GPUs: base {base / 2**30:.2f} GiB per GPU, bf16 {bf16 / 2**30:.2f} GiB")
+    assert base <= 0.3 * bf16
