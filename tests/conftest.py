@@ -27,6 +27,7 @@ LONGEST_FIRST = [
     "test_resume.py",
     "test_recipes_fsdp.py",
     "test_preference.py",
+    "test_moe.py",
     "test_recipes_catalog.py",
     "test_generate_cli.py",
     "test_export_guards.py",
