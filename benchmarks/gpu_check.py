@@ -82,13 +82,13 @@ GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry ru
 
 
 def checkpoint(shape: str, device: str) -> Path:
-    from models import llama_path
+    from models import checkpoint_path
 
     from fsdp_peft.paths import tiny_model_path
 
     if shape == "tiny":
         return tiny_model_path()
-    path = llama_path(shape, "bfloat16", device)
+    path = checkpoint_path(shape, "bfloat16", device)
     if device == "cuda":  # the runs are child processes: give them the memory the build cached here
         import gc
 
