@@ -1,6 +1,7 @@
 """GPU check (driven by benchmarks/gpu_check.sh): LoRA and QLoRA on one GPU, fsdp-peft against plain
-transformers `Trainer` + peft with the same settings, for a ~1B and an 8B-shaped random-weight Llama; and the
-GRPO recipe on the ~1B shape: its rollouts against the unsharded model and stock TRL, and a few training steps.
+transformers `Trainer` + peft with the same settings, for a ~1B and an 8B-shaped random-weight Llama; the
+GRPO recipe on the ~1B shape: its rollouts against the unsharded model and stock TRL, and a few training steps; and a
+random-weight Qwen3-MoE shape: QLoRA with its experts in 4 bits and LoRA on a bf16 base, LoRA on every expert.
 
 Each run is its own process (clean peak-memory counters) and trains ``--steps`` optimizer steps on random
 token ids (``--seq`` tokens per row, ``--batch`` rows per step, bf16, gradient checkpointing, AdamW, LoRA
@@ -14,12 +15,14 @@ r=16 on all linear layers, dropout 0.05):
 Measured: tokens/s over the steps after the first two (synchronised step times), peak GPU memory
 (``torch.cuda.max_memory_allocated`` and ``..._reserved``), model FLOPs utilisation, and the exact
 per-rank parameter + gradient + optimizer bytes (`fsdp_peft.memory.MemoryReport`); next to the planner's
-estimate (`fsdp_peft.plan`, CUDA-context row left out, as torch's allocator does not see it).
+estimate (`fsdp_peft.plan`, CUDA-context row left out, as torch's allocator does not see it); and whether every
+logged loss is finite.
 
 MFU = model FLOPs per token x tokens/s / peak dense bf16 FLOPs of the GPU. Model FLOPs per token of
 LoRA training: 4 x (frozen matmul parameters, head included) [forward + input gradients] + 6 x (adapter
 parameters) + 12 x layers x seq x hidden [attention scores and values, forward and backward]; the
-recomputation of gradient checkpointing is not counted (it is not model work).
+recomputation of gradient checkpointing is not counted (it is not model work). A mixture of experts counts the
+experts a token passes: top-k of each layer's expert weights, and that share of its stacked expert adapters.
 
 GRPO runs (``grpo`` in ``--shapes``; `recipes/llama_grpo.py` on the ``--grpo-shape`` model, launched by
 `benchmarks/grpo_rollouts.py`'s `run`, which times every rollout call): the embedded reversal prompts, groups of 8,
@@ -42,7 +45,25 @@ is checked is that the steps run and log numbers). The LoRA runs of the three mo
 recipe's rollout speed over the unsharded model's and over stock TRL's. The dry run keeps to two of the four runs
 (`GRPO_DRY_RUNS`) to keep CI's time.
 
-    python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny model, tiny sizes, same code path
+MoE runs (``moe`` in ``--shapes``): the ``fsdp-peft`` SFT run above (`run_one`) on a random-weight Qwen3-MoE
+(`models.QWEN3_MOE_SHAPES`: Qwen3-30B-A3B's layer with 8 layers of 64 experts 768 wide, 8 per token, vocab 32k;
+2.70B parameters, 2.42B of them in the experts), 4 rows of 2048 tokens per step, LoRA r=16 on attention (``auto``)
+and on every expert (``lora_target_parameters: [auto]``), dropout 0 (none on expert parameters). QLoRA first
+(``load_in_4bit``: the linear layers through bitsandbytes, the experts by `fsdp_peft.moe_quantization`), then LoRA
+on the bf16 base; no plain Trainer + peft runs (peft cannot quantize the experts). Measured besides the SFT
+figures (peak memory next to the plan, tokens/s, losses finite):
+
+- the experts' bytes as this rank stores them (4-bit: the local bytes of the ``*_4bit`` parameters; bf16: the expert
+  parameters) next to the plan's ``counts.expert_bytes`` and to the same experts in bf16; QLoRA must keep them at
+  most `EXPERT_BYTES_BOUND` (0.3) of bf16 (the layout gives 0.258): ``expert_bytes_within_bound``;
+- ``dequantization`` (QLoRA): `fsdp_peft.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts
+  (all its expert parameters) against that decoder layer's forward as training runs it (autograd on, bf16 autocast,
+  the run's rows x tokens of random hidden states; the forward includes its hook's dequantization), median of 5.
+
+The dry run keeps to the QLoRA run (`MOE_DRY_RUNS`), 3 steps, on the embedded ``tiny-qwen3-moe``.
+
+    python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny models, tiny sizes, same code path
+    python benchmarks/gpu_check.py --shapes moe     # one GPU: the MoE runs alone
 """
 
 from __future__ import annotations
@@ -50,6 +71,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -65,11 +87,20 @@ sys.path.insert(0, str(HERE))
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 LORA = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
-SIZES = {  # model shape: rows per step, tokens per row
+SIZES = {  # model shape: rows per step, tokens per row (and optimizer steps where not --steps)
     "1b": {"batch": 8, "seq": 2048},
     "8b": {"batch": 4, "seq": 2048},
+    "moe": {"batch": 4, "seq": 2048},
     "tiny": {"batch": 2, "seq": 32},
+    "tiny-moe": {"batch": 2, "seq": 32, "steps": 3},  # CI's time: one step timed
 }
+TINY_MODELS = {"tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe"}  # the embedded models (fsdp_peft.tiny)
+# MoE runs: LoRA on attention and on every expert (peft's target_parameters), no dropout (none on expert parameters)
+MOE_LORA = {**LORA, "lora_dropout": 0.0, "lora_target_modules": ["auto"], "lora_target_parameters": ["auto"]}
+MOE_RUNS = ("qlora", "lora")  # most important first: the experts quantized by fsdp_peft.moe_quantization
+# The dry run (CI) keeps to the QLoRA run (~20 s on 2 cores): the bf16 run differs from it only in load_in_4bit.
+MOE_DRY_RUNS = ("qlora",)
+EXPERT_BYTES_BOUND = 0.3  # 4-bit experts: at most this share of their bf16 bytes (0.258 expected)
 GRPO_SIZES = {  # GRPO model shape: completions per step, tokens per completion, steps (the first one untimed)
     "1b": {"completions": 64, "completion_tokens": 128, "steps": 4},
     "tiny": {"completions": 8, "completion_tokens": 8, "steps": 2},
@@ -79,16 +110,20 @@ GRPO_RUNS = (("recipe", "lora"), ("recipe", "qlora"), ("unsharded", "lora"), ("s
 # differ from these only in one recipe key (generate_gather_budget: none) or the method.
 GRPO_DRY_RUNS = (("recipe", "qlora"), ("unsharded", "lora"))
 GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry run) the CPU
+RUN_MINIMUM_SECONDS = 30  # no run (nor checkpoint build) starts with less of the budget left
 
 
-def checkpoint(shape: str, device: str) -> Path:
-    from models import llama_path
+def checkpoint(shape: str, device: str) -> str:
+    """The runs' ``model_name_or_path``: an embedded model's name (built here on first use), else the directory of a
+    random-weight checkpoint of that shape (`models.checkpoint_path`)."""
+    from models import checkpoint_path
 
     from fsdp_peft.paths import tiny_model_path
 
-    if shape == "tiny":
-        return tiny_model_path()
-    path = llama_path(shape, "bfloat16", device)
+    if shape in TINY_MODELS:
+        tiny_model_path(TINY_MODELS[shape])
+        return TINY_MODELS[shape]
+    path = checkpoint_path(shape, "bfloat16", device)
     if device == "cuda":  # the runs are child processes: give them the memory the build cached here
         import gc
 
@@ -96,7 +131,7 @@ def checkpoint(shape: str, device: str) -> Path:
 
         gc.collect()
         torch.cuda.empty_cache()
-    return path
+    return str(path)
 
 
 def write_yaml(path: Path, values: dict) -> Path:
@@ -104,14 +139,14 @@ def write_yaml(path: Path, values: dict) -> Path:
     return path
 
 
-def recipe_yaml(directory: Path, model: Path, method: str, batch: int, seq: int, steps: int) -> Path:
+def recipe_yaml(directory: Path, model: str, method: str, batch: int, seq: int, steps: int, lora: dict = LORA) -> Path:
     """The recipe config both implementations follow (also what the planner reads)."""
     values = {
-        "model_name_or_path": str(model),
+        "model_name_or_path": model,
         "torch_dtype": "bfloat16",
         "load_in_4bit": method == "qlora",
         "bnb_4bit_quant_storage": "bfloat16",
-        **LORA,
+        **lora,
         "max_seq_length": seq,
         "per_device_train_batch_size": batch,
         "gradient_checkpointing": True,
@@ -130,10 +165,10 @@ def recipe_yaml(directory: Path, model: Path, method: str, batch: int, seq: int,
     return write_yaml(directory / "config.yaml", values)
 
 
-def grpo_yaml(directory: Path, model: Path, method: str, batch: int, completion_tokens: int, steps: int) -> Path:
+def grpo_yaml(directory: Path, model: str, method: str, batch: int, completion_tokens: int, steps: int) -> Path:
     """The GRPO recipe config of a GRPO run (``batch`` completions per rank and step; also what the planner reads)."""
     values = {
-        "model_name_or_path": str(model),
+        "model_name_or_path": model,
         "torch_dtype": "bfloat16",
         "load_in_4bit": method == "qlora",
         "bnb_4bit_quant_storage": "bfloat16",
@@ -181,17 +216,44 @@ def model_flops_per_token(model, seq: int) -> float:
     """Model FLOPs per trained token (see the module docstring)."""
     import torch
 
+    from fsdp_peft.moe import expert_count, experts_per_token
+
     config = model.config
+    experts = expert_count(config)
+    routed = experts_per_token(config) / experts if experts else 1.0  # a token passes top-k of the experts
     frozen = adapters = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):  # bitsandbytes' Linear4bit included; peft's wrappers are not
             features = module.in_features * module.out_features
-            if ".lora_" in name:
-                adapters += features
+            if ".lora_" in name:  # an expert's adapters are stacked: one Linear holds every expert's
+                adapters += features * (routed if ".experts." in name else 1)
             else:
                 frozen += features
+    for name, weight in [*model.named_parameters(), *model.named_buffers()]:  # 4-bit experts: a buffer in the forward
+        if weight.ndim == 3 and ".experts." in name:  # [experts, out, in], not a Linear layer: top-k of them per token
+            frozen += weight.numel() * routed
     attention = 12 * config.num_hidden_layers * seq * config.hidden_size
     return 4 * frozen + 6 * adapters + attention
+
+
+def now() -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median_seconds(work, repeats: int = 5) -> float:
+    """Median time of ``work()`` over ``repeats`` calls after one untimed call."""
+    work()
+    times = []
+    for _ in range(repeats):
+        started = now()
+        work()
+        times.append(now() - started)
+    return sorted(times)[repeats // 2]
 
 
 def run_one(args) -> dict:
@@ -206,6 +268,8 @@ def run_one(args) -> dict:
     from fsdp_peft.config import build_training_arguments, resolve_recipe_config
     from fsdp_peft.memory import MemoryReport
     from fsdp_peft.modeling import attach_lora, load_base_model, local_device, quantization_config
+    from fsdp_peft.moe import expert_count
+    from fsdp_peft.paths import resolve_model_path
 
     config_path = Path(args.config)
     recipe, training_values, _ = resolve_recipe_config(["--config", str(config_path)], config_path, "outputs")
@@ -217,9 +281,7 @@ def run_one(args) -> dict:
             self.times: list[float] = []
 
         def on_step_end(self, *a, **k):
-            if on_gpu:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter())
+            self.times.append(now())
 
     timer, memory = StepTimes(), MemoryReport()
     started = time.perf_counter()
@@ -232,7 +294,7 @@ def run_one(args) -> dict:
         from peft import LoraConfig, get_peft_model
 
         base = AutoModelForCausalLM.from_pretrained(
-            recipe.model_name_or_path,
+            resolve_model_path(recipe.model_name_or_path),  # an embedded model's name: its directory
             dtype=torch.bfloat16,
             quantization_config=quantization_config(recipe),
             device_map={"": local_device()},
@@ -260,6 +322,7 @@ def run_one(args) -> dict:
     ]
     seconds = sorted(timed)[len(timed) // 2] if timed else float("nan")
     report = json.loads((Path(training.output_dir) / "memory.json").read_text())["ranks"][0]
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = {
         "load_seconds": load_seconds,
         "step_seconds_median": seconds,
@@ -269,11 +332,78 @@ def run_one(args) -> dict:
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,
         "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved() if on_gpu else None,
         "peak_rss_bytes": report.get("peak_rss_bytes"),
-        "final_loss": next((e["loss"] for e in reversed(trainer.state.log_history) if "loss" in e), None),
+        "final_loss": losses[-1] if losses else None,
+        "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
     }
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if on_gpu and k in torch.cuda.get_device_name()), None)
     result["mfu"] = flops_per_token * result["tokens_per_second"] / peak if peak else None
+    if expert_count(model.config):  # a mixture of experts (after the peaks above: the timing below adds its own)
+        result.update(expert_storage(model))
+        result["dequantization"] = dequantization_cost(
+            model, training.per_device_train_batch_size, recipe.max_seq_length
+        )
     return result
+
+
+def expert_storage(model) -> dict:
+    """This rank's expert bytes as stored (4-bit: the local bytes of the ``*_4bit`` parameters; else the 3D expert
+    parameters themselves) against the same experts in bf16."""
+    from fsdp_peft.moe_quantization import expert_bytes
+
+    stored, bf16 = expert_bytes(model)
+    if not stored:  # 16-bit experts
+        local = [p.to_local() if hasattr(p, "to_local") else p for n, p in model.named_parameters() if ".experts." in n]
+        stored = sum(p.numel() * p.element_size() for p in local if p.ndim == 3)
+        bf16 = sum(p.numel() * 2 for p in local if p.ndim == 3)
+    quantized = stored < bf16
+    return {
+        "expert_bytes": stored,
+        "expert_bf16_bytes": bf16,
+        "expert_bytes_over_bf16": stored / bf16,
+        "expert_bytes_within_bound": stored <= EXPERT_BYTES_BOUND * bf16 if quantized else None,
+    }
+
+
+def dequantization_cost(model, batch: int, seq: int) -> dict | None:
+    """4-bit experts: `fsdp_peft.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts (every
+    expert parameter) against that decoder layer's forward as training runs it (autograd on, bf16 autocast, ``batch``
+    x ``seq`` random hidden states; its hook's dequantization included), median of 5 each. ``None`` for 16-bit
+    experts."""
+    import torch
+
+    from fsdp_peft.model_record import record_of
+    from fsdp_peft.modeling import local_device
+    from fsdp_peft.moe_quantization import dequantize_expert_rows
+
+    blocks = record_of(model).quantized_experts
+    if not blocks:
+        return None
+    moe, base, device = blocks[0], model.get_base_model(), local_device()
+    layer = next(module for module in base.modules() if any(child is moe.block for child in module.children()))
+    index = next((i for i, module in enumerate(base.model.layers) if module is layer), None)
+    hidden = torch.randn(batch, seq, base.config.hidden_size, dtype=torch.bfloat16, device=device)
+    positions = torch.arange(seq, device=device).expand(batch, -1)
+    rotary = base.model.rotary_emb(hidden, positions)
+
+    def dequantize():
+        for entry in moe.parameters:
+            dequantize_expert_rows(getattr(entry.module, entry.stored_name), entry.layout, entry.dtype)
+
+    def forward():
+        layer(hidden, position_embeddings=rotary, position_ids=positions)
+
+    model.eval()  # no recomputation wrapper: one plain forward
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        dequantize_seconds, forward_seconds = median_seconds(dequantize), median_seconds(forward)
+    return {
+        "layer": index,
+        "tokens": batch * seq,
+        "experts": moe.parameters[0].experts,
+        "parameters": [entry.name for entry in moe.parameters],
+        "dequantize_seconds": dequantize_seconds,
+        "layer_forward_seconds": forward_seconds,
+        "dequantize_over_forward": dequantize_seconds / forward_seconds,
+    }
 
 
 def planned(config: Path, gpu_memory: int) -> dict:
@@ -284,6 +414,7 @@ def planned(config: Path, gpu_memory: int) -> dict:
         "allocator_bytes": plan.gpu_total - CUDA_CONTEXT_BYTES,
         "total_with_context_bytes": plan.gpu_total,
         "parameter_gradient_optimizer_bytes": plan.parameter_gradient_optimizer_bytes,
+        "expert_bytes": plan.counts.expert_bytes,  # a mixture of experts: as stored (0: none)
         "components": plan.gpu,
         "verdict": plan.to_json()["verdict"],
     }
@@ -325,8 +456,8 @@ def drive(args) -> None:
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    order = (args.shapes or ("tiny,grpo" if args.dry_run else "1b,grpo,8b")).split(",")
-    grpo_shape = "tiny" if args.dry_run else args.grpo_shape
+    order = (args.shapes or ("tiny,grpo,moe" if args.dry_run else "1b,grpo,moe,8b")).split(",")
+    shapes = {"grpo": "tiny" if args.dry_run else args.grpo_shape, "moe": "tiny-moe" if args.dry_run else "moe"}
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
     report = {
         **environment(),
@@ -335,7 +466,7 @@ def drive(args) -> None:
         "settings": {
             **LORA,
             "steps": args.steps,
-            "sizes": {s: SIZES[s] for s in order if s in SIZES},
+            "sizes": {s: SIZES[s] for s in order if s in SIZES and s not in shapes},
             "bf16": True,
             "gradient_checkpointing": True,
             "optim": "adamw_torch",
@@ -346,15 +477,27 @@ def drive(args) -> None:
     grpo_runs = GRPO_DRY_RUNS if args.dry_run else GRPO_RUNS
     if "grpo" in order:
         report["settings"]["grpo"] = {
-            "model": grpo_shape,
-            **GRPO_SIZES[grpo_shape],
+            "model": shapes["grpo"],
+            **GRPO_SIZES[shapes["grpo"]],
             "launch": f"{GRPO_LAUNCH} --num_processes 1",
             "runs": [" ".join(r) for r in grpo_runs],
         }
+    moe_runs = MOE_DRY_RUNS if args.dry_run else MOE_RUNS
+    if "moe" in order:
+        from models import QWEN3_MOE_SHAPES
+
+        report["settings"]["moe"] = {
+            "model": shapes["moe"],
+            "shape": QWEN3_MOE_SHAPES.get(shapes["moe"], TINY_MODELS.get(shapes["moe"])),
+            **SIZES[shapes["moe"]],
+            **MOE_LORA,
+            "runs": [f"fsdp-peft {method}" for method in moe_runs],
+            "expert_bytes_bound": EXPERT_BYTES_BOUND,
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for item in order:
-        shape = grpo_shape if item == "grpo" else item
-        path = checkpoint(shape, device)
+        shape = shapes.get(item, item)
+        path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
         if item == "grpo":
             for mode, method in grpo_runs:
                 entry = {"model": shape, "method": method, "impl": f"grpo {mode}"}
@@ -362,12 +505,17 @@ def drive(args) -> None:
             report["grpo_rollouts"] = grpo_summary(report["runs"])
             args.out.write_text(json.dumps(report, indent=1))
             continue
-        for method in ("lora", "qlora"):
-            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_{shape}_{method}_"))
-            size = SIZES[shape]
-            config = recipe_yaml(directory, path, method, size["batch"], size["seq"], args.steps)
-            plan = planned(config, gpu_memory)
-            for impl in ("fsdp-peft", "plain"):
+        moe = item == "moe"  # fsdp-peft only: plain Trainer + peft cannot quantize the experts
+        for method in moe_runs if moe else ("lora", "qlora"):
+            if budget_left(args, started) < RUN_MINIMUM_SECONDS:
+                plan = config = directory = None  # measured() records the runs as skipped
+            else:
+                directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_{shape}_{method}_"))
+                size, lora = SIZES[shape], MOE_LORA if moe else LORA
+                steps = size.get("steps", args.steps)
+                config = recipe_yaml(directory, path, method, size["batch"], size["seq"], steps, lora)
+                plan = planned(config, gpu_memory)
+            for impl in ("fsdp-peft",) if moe else ("fsdp-peft", "plain"):
                 entry = {"model": shape, "method": method, "impl": impl, "planned": plan}
                 measured(entry, lambda left: sft_run(impl, config, directory, left), args, report, started)
     report["seconds"] = time.monotonic() - started
@@ -375,11 +523,15 @@ def drive(args) -> None:
     print(f"written: {args.out}")
 
 
+def budget_left(args, started: float) -> float:
+    return args.budget - (time.monotonic() - started)
+
+
 def measured(entry: dict, run, args, report: dict, started: float) -> None:
     """``run(seconds left)``'s figures (or why it failed) into ``entry``, and ``entry`` into the report; skipped when
     less than 30 s of the budget are left."""
-    left = args.budget - (time.monotonic() - started)
-    if left < 30:
+    left = budget_left(args, started)
+    if left < RUN_MINIMUM_SECONDS:
         report["skipped"].append(f"{entry['model']}/{entry['method']}/{entry['impl']}: time budget spent")
         return
     run_started = time.monotonic()
@@ -392,6 +544,8 @@ def measured(entry: dict, run, args, report: dict, started: float) -> None:
     entry["run_seconds"] = time.monotonic() - run_started
     if entry.get("peak_gpu_allocated_bytes") and entry.get("planned"):
         entry["planned_over_measured_peak"] = entry["planned"]["allocator_bytes"] / entry["peak_gpu_allocated_bytes"]
+    if entry.get("expert_bytes") and entry.get("planned", {}).get("expert_bytes"):
+        entry["expert_bytes_over_planned"] = entry["expert_bytes"] / entry["planned"]["expert_bytes"]
     report["runs"].append(entry)
     print_entry(entry)
     args.out.write_text(json.dumps(report, indent=1))
@@ -439,8 +593,6 @@ def grpo_run(entry: dict, mode: str, model: Path, gpu_memory: int, left: float) 
 def grpo_figures(record: dict) -> dict:
     """Rollout, step and training figures of one GRPO run (`grpo_rollouts.timed_recipe`'s record), the steps after
     the first; one rollout call per step."""
-    import math
-
     from grpo_rollouts import rollout_figures
 
     rollouts = rollout_figures(record)
@@ -488,7 +640,7 @@ def grpo_summary(runs: list[dict]) -> dict:
 
 
 def print_entry(entry: dict) -> None:
-    head = f"{entry['model']:<5} {entry['method']:<6} {entry['impl']:<14}"
+    head = f"{entry['model']:<8} {entry['method']:<6} {entry['impl']:<14}"
     if "failed" in entry:
         print(f"{head} failed: {entry['failed']}")
         return
@@ -511,9 +663,24 @@ def print_entry(entry: dict) -> None:
         f"{head} {entry['tokens_per_second']:>9.0f} tok/s  MFU {mfu:>6}  peak {gib(entry['peak_gpu_allocated_bytes'])}"
         f"  planned {gib(entry['planned']['allocator_bytes'])}"
         f"  p+g+o {gib(entry['parameter_gradient_optimizer_bytes'])}"
-        f" (planned {gib(entry['planned']['parameter_gradient_optimizer_bytes'])})",
+        f" (planned {gib(entry['planned']['parameter_gradient_optimizer_bytes'])})"
+        f"  loss {'finite' if entry['losses_finite'] else 'NOT FINITE'}",
         flush=True,
     )
+    if "expert_bytes" in entry:
+        within = {True: f" (<= {EXPERT_BYTES_BOUND})", False: f" OVER {EXPERT_BYTES_BOUND}", None: ""}
+        cost = entry.get("dequantization")
+        print(
+            f"{'':<30}experts {gib(entry['expert_bytes'])} (planned {gib(entry['planned']['expert_bytes'])},"
+            f" {entry['expert_bytes_over_bf16']:.3f} of bf16{within[entry['expert_bytes_within_bound']]})"
+            + (
+                f"  dequantizing layer {cost['layer']}'s experts {cost['dequantize_seconds'] * 1e3:.2f} ms,"
+                f" {cost['dequantize_over_forward']:.1%} of its forward ({cost['layer_forward_seconds'] * 1e3:.2f} ms)"
+                if cost
+                else ""
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -521,8 +688,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU: the embedded tiny model, tiny sizes")
     parser.add_argument(
         "--shapes",
-        help="what runs, in this order: SFT model shapes and grpo (the GRPO runs); default 1b,grpo,8b"
-        " (dry run: tiny,grpo)",
+        help="what runs, in this order: SFT model shapes, grpo (the GRPO runs) and moe (the MoE runs); default"
+        " 1b,grpo,moe,8b (dry run: tiny,grpo,moe)",
     )
     parser.add_argument("--grpo-shape", default="1b", choices=sorted(GRPO_SIZES), help="the GRPO runs' model shape")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first two are not timed)")

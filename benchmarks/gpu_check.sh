@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU check: one unattended run of at most 8 minutes on a single GPU (written for one H200).
 #
-#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B, GRPO and 8B runs
-#   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny model
+#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B, GRPO, MoE and 8B runs
+#   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny models
 #
-# Measures, in this order: ~1B SFT, GRPO, 8B SFT (no run starts once the time is spent: the 8B runs,
-# the costliest, are the ones a slow machine leaves out; the JSON lists what was skipped):
+# Measures, in this order: ~1B SFT, GRPO, MoE, 8B SFT (no run starts once the time is spent: the 8B runs,
+# the costliest, are the ones a slow machine leaves out, then the MoE runs; the JSON lists what was skipped):
 # - SFT, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama, LoRA
 #   and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s, peak
 #   GPU memory, model FLOPs utilisation, exact parameter + gradient + optimizer bytes, and the planner's
@@ -14,8 +14,14 @@
 #   the recipe's generation path (FSDP2, one rank, units gathered once per generate call) against the
 #   unsharded model's generate and stock TRL's path (a gather per layer per decoded token), and a few
 #   training steps of the recipe with LoRA and with QLoRA: tokens/s, peak GPU memory next to the plan,
-#   loss and reward finite.
-# benchmarks/gpu_check.py has the details. The dry run runs two of the four GRPO runs (CI's time).
+#   loss and reward finite;
+# - MoE (random-weight Qwen3-MoE shape: Qwen3-30B-A3B's layer, 8 layers of 64 experts, 2.7B parameters),
+#   fsdp-peft QLoRA (experts quantized by fsdp_peft.moe_quantization) and LoRA on a bf16 base, LoRA on
+#   attention and every expert: tokens/s, peak GPU memory next to the plan, losses finite, the per-rank
+#   4-bit expert bytes next to the plan's and to their bf16 bytes (at most 0.3 of them), and the time
+#   of dequantizing one layer's experts against that layer's forward.
+# benchmarks/gpu_check.py has the details. The dry run runs two of the four GRPO runs and the MoE QLoRA
+# run only, on the embedded tiny-qwen3-moe (CI's time).
 # Writes benchmarks/results/gpu_check_<UTC date and time>.json (date, hardware, versions inside) and
 # copies it to benchmarks/results/gpu_check.json. Needs no network when the packages of
 # pyproject.toml are installed; else pip installs them (network needed for that step only).

@@ -1,9 +1,14 @@
-"""Random-weight Llama-architecture checkpoints for the benchmarks, built once into a cache directory.
+"""Random-weight checkpoints for the benchmarks (Llama shapes and a Qwen3-MoE shape), built once into a cache
+directory.
 
 ``llama_100m_path()``: hidden 768, 12 layers, intermediate 2048, 12 heads, vocab 32000, untied head:
 134,105,856 parameters in fp32 safetensors, with the embedded tiny model's byte tokenizer (262 tokens;
 ids above it are never fed, which changes no parameter count or memory figure).
-``llama_config(name)``: the configs of the GPU check (``1b``, ``8b``), shapes only.
+``shape_config(name)``: the configs of the GPU check, shapes only: the Llama shapes ``1b`` and ``8b``, and ``moe``,
+Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts 768 wide, 8 per token) with 8 layers of
+64 experts and a 32k vocabulary: 2.70B parameters (2.42B in the experts); a token passes 0.52B of them
+(attention, 8 experts per layer, the head).
+``checkpoint_path(name, dtype, device)``: any of them written as a checkpoint, with the same tokenizer.
 
     python benchmarks/models.py        # build the ~100M checkpoint and print its path
 """
@@ -39,6 +44,23 @@ LLAMA_SHAPES = {
         "vocab_size": 128256,
     },
 }
+QWEN3_MOE_SHAPES = {
+    "moe": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,  # Qwen3-30B-A3B's dense width (a layer in mlp_only_layers; none here)
+        "moe_intermediate_size": 768,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 32000,
+        "norm_topk_prob": True,
+        "output_router_logits": False,  # as Qwen3-30B-A3B's config: no load-balancing loss
+        "rms_norm_eps": 1e-6,
+    },
+}
 SEED = 0
 
 
@@ -47,47 +69,50 @@ def bench_cache() -> Path:
     return Path(os.environ.get("FSDP_PEFT_CACHE", Path.home() / ".cache" / "fsdp_peft")) / "bench_models"
 
 
-def llama_config(name: str):
-    """A `LlamaConfig` of the shape ``name`` with the tiny tokenizer's special token ids."""
+def shape_config(name: str):
+    """The config of shape ``name`` (a Llama shape, or a Qwen3-MoE one) with the tiny tokenizer's special token ids."""
     from transformers import AutoConfig
 
     from fsdp_peft.tiny import TINY_MODEL_ASSETS
 
     tiny = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
+    model_type, architecture = (
+        ("llama", "LlamaForCausalLM") if name in LLAMA_SHAPES else ("qwen3_moe", "Qwen3MoeForCausalLM")
+    )
     config = AutoConfig.for_model(
-        "llama",
-        **LLAMA_SHAPES[name],
+        model_type,
+        **{"rms_norm_eps": 1e-5, **(LLAMA_SHAPES.get(name) or QWEN3_MOE_SHAPES[name])},
         max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tiny.bos_token_id,
         eos_token_id=tiny.eos_token_id,
         pad_token_id=tiny.pad_token_id,
     )
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [architecture]
     return config
 
 
-def llama_path(name: str, dtype: str = "float32", device: str = "cpu") -> Path:
+def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> Path:
     """Checkpoint directory of shape ``name`` (random weights, seed 0), built on first use on ``device``
     (initialising 8B parameters is minutes on a CPU, seconds on a GPU)."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     from fsdp_peft.files import publish_directory
     from fsdp_peft.tiny import TINY_MODEL_ASSETS
 
-    target = bench_cache() / f"llama-{name}-{dtype}-seed{SEED}"
+    config = shape_config(name)
+    target = bench_cache() / f"{config.model_type.replace('_', '-')}-{name}-{dtype}-seed{SEED}"
     if (target / "config.json").is_file():
         return target
-    config = llama_config(name)
     config.dtype = dtype
     torch.manual_seed(SEED)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = getattr(transformers, config.architectures[0])(config)
     finally:
         torch.set_default_dtype(default)
     with publish_directory(target) as staging:
@@ -98,7 +123,7 @@ def llama_path(name: str, dtype: str = "float32", device: str = "cpu") -> Path:
 
 def llama_100m_path() -> Path:
     """The ~100M-parameter (134M) Llama-architecture checkpoint of the CPU benchmarks."""
-    return llama_path("100m")
+    return checkpoint_path("100m")
 
 
 if __name__ == "__main__":
