@@ -172,8 +172,6 @@ def test_merged_export_is_peft_merge_and_loads_as_a_plain_model_with_the_trained
 
 
 def test_resumed_from_the_checkpoint_a_killed_run_leaves_the_run_continues_exactly(runs, tmp_path):
-    if runs["recipe"] != "qwen_moe_lora":
-        pytest.skip("one family's resume covers the MoE path (each family's run is already checked above)")
     resumed = tmp_path / "resumed"
     shutil.copytree(runs["dir"] / "checkpoint-3", resumed / "checkpoint-3")  # all a run killed after step 3 leaves
     launch_recipe(
@@ -215,8 +213,8 @@ QLORA = {"qwen_moe_qlora": "tiny-qwen3-moe", "mixtral_qlora": "tiny-mixtral"}
 
 @pytest.fixture(scope="module", params=sorted(QLORA))
 def qlora_runs(request, tmp_path_factory, tiny_cache) -> dict:
-    """The QLoRA recipe on 2 FSDP2 ranks and in one process (same global batch and seed); for Qwen3-MoE also on 2
-    ranks with low-memory loading (rank 0 reads and quantizes each tensor, every rank keeps its shard)."""
+    """The QLoRA recipe on 2 FSDP2 ranks and in one process (same global batch and seed), and on 2 ranks with
+    low-memory loading (rank 0 reads and quantizes each tensor, every rank keeps its shard)."""
     recipe = request.param
     sharded, single = tmp_path_factory.mktemp(f"{recipe}_fsdp2"), tmp_path_factory.mktemp(f"{recipe}_single")
     result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON)
@@ -224,15 +222,12 @@ def qlora_runs(request, tmp_path_factory, tiny_cache) -> dict:
     reference = run_command([*one, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-4000:]
     runs = {"recipe": recipe, "model": QLORA[recipe], "dir": sharded, "single": single, "stdout": result.stdout}
-    if recipe == "qwen_moe_qlora":
-        launcher = tmp_path_factory.mktemp("launcher") / "low_memory.yaml"
-        text = (REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml").read_text()
-        launcher.write_text(
-            text.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true")
-        )
-        low = tmp_path_factory.mktemp(f"{recipe}_low_memory")
-        runs["low_stdout"] = launch_recipe(recipe, "--output_dir", str(low), *COMMON, accelerate_config=launcher).stdout
-        runs["low"] = low
+    launcher = tmp_path_factory.mktemp("launcher") / "low_memory.yaml"
+    text = (REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml").read_text()
+    launcher.write_text(text.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true"))
+    low = tmp_path_factory.mktemp(f"{recipe}_low_memory")
+    runs["low_stdout"] = launch_recipe(recipe, "--output_dir", str(low), *COMMON, accelerate_config=launcher).stdout
+    runs["low"] = low
     return runs
 
 
@@ -269,8 +264,6 @@ def test_the_experts_take_at_most_0_3_of_their_bf16_bytes_per_rank_and_the_plan_
 
 
 def test_low_memory_loading_quantizes_the_experts_as_ordinary_loading_does(qlora_runs):
-    if "low" not in qlora_runs:
-        pytest.skip("low-memory loading runs for one family (Qwen3-MoE)")
     assert "low-memory loading: rank 0 read" in qlora_runs["low_stdout"]
     assert logged_losses(qlora_runs["low"]) == logged_losses(qlora_runs["dir"])  # bit for bit
 
