@@ -101,14 +101,14 @@ class RouterAuxLoss:
 
     def __init__(self, weight: float):
         self.weight = weight
-        self.total, self.count = 0.0, 0
+        self.total, self.count = 0.0, 0  # a tensor once counted: read back (a device sync) only when logged
 
     def corrected(self, loss: torch.Tensor, aux: torch.Tensor | None, loss_scale: float, accumulation: int):
         """``loss`` (as Trainer scaled it by ``loss_scale``, its token-count normalisation on) with the aux term
         weighed once per optimizer step of ``accumulation`` micro-batches."""
         if aux is None or not self.weight:
             return loss
-        self.total += float(aux.detach())
+        self.total = self.total + aux.detach().float()
         self.count += 1
         return loss - loss_scale * self.weight * aux.to(loss.dtype) * (1 - 1 / accumulation)
 
@@ -116,7 +116,7 @@ class RouterAuxLoss:
         """The mean aux loss of this rank's forwards since the last call; ``None`` when there were none."""
         if not self.count:
             return None
-        mean, self.total, self.count = self.total / self.count, 0.0, 0
+        mean, self.total, self.count = float(self.total) / self.count, 0.0, 0
         return mean
 
 
