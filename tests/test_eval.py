@@ -3,22 +3,26 @@ merged export, against the recipe's own held-out figures.
 
 One short LoRA run (90 steps at a constant rate: exact match about 0.4 on the 200 held-out prompts, so neither 0
 nor 1) leaves every kind of source: the ``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32
-``merged/`` export. Each evaluation below is one real harness run, shared by the tests that read it.
+``merged/`` export. Each evaluation below is one real harness run, shared by the tests that read it: the base's runs
+in this process (`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each,
+the others as users start them (a process of their own, torchrun).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 
-from conftest import launch_recipe, read_json, run_command
+from conftest import free_port, launch_recipe, read_json, run_command
+from fsdp_peft.cli import main
 from fsdp_peft.data import render_prompt
 from fsdp_peft.evaluation import EVAL_FILE
 
-pytestmark = pytest.mark.slow
 STEPS = 90
 CLI = [sys.executable, "-m", "fsdp_peft.cli", "eval"]
 
@@ -45,6 +49,18 @@ def evaluate(source: Path, out: Path, *options: str) -> tuple[dict, object]:
     return read_json(out / EVAL_FILE), result
 
 
+def evaluate_here(*arguments: str) -> tuple[int, str, str]:
+    """``fsdp-peft eval ARGUMENTS`` run by the console script's `main` in this process: exit code, stdout, stderr."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        try:
+            main(["eval", *arguments])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
 def harness_samples(summary: dict, task: str) -> dict[int, dict]:
     """The harness's own per-sample file of ``task``, by document id."""
     rows = [json.loads(line) for line in Path(summary["samples_files"][task]).read_text().splitlines()]
@@ -58,11 +74,15 @@ def adapter_eval(trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_eval(trained, tmp_path_factory):
-    return evaluate(
-        trained / "adapter", tmp_path_factory.mktemp("base_eval"), "--tasks", "tiny_reverse_em", "--base-only"
+    out = tmp_path_factory.mktemp("base_eval")
+    code, _, stderr = evaluate_here(
+        str(trained / "adapter"), "--tasks", "tiny_reverse_em", "--base-only", "--out", str(out)
     )
+    assert code == 0, stderr[-4000:]
+    return read_json(out / EVAL_FILE)
 
 
+@pytest.mark.slow
 def test_eval_of_the_adapter_reports_the_recipes_held_out_exact_match(trained, adapter_eval):
     summary, result = adapter_eval
     recipe = read_json(trained / "results.json")
@@ -76,6 +96,7 @@ def test_eval_of_the_adapter_reports_the_recipes_held_out_exact_match(trained, a
     assert summary["model"].startswith(f"adapter {trained / 'adapter'} on ")
 
 
+@pytest.mark.slow
 def test_the_harness_sees_the_recipes_prompts_and_completes_them_the_same(trained, adapter_eval, tiny_model_dir):
     from transformers import AutoTokenizer
 
@@ -91,6 +112,7 @@ def test_the_harness_sees_the_recipes_prompts_and_completes_them_the_same(traine
         assert sample["exact_match"] == float(row["exact"])
 
 
+@pytest.mark.slow
 def test_the_loglikelihood_task_scores_the_answer_after_the_same_prompt(adapter_eval):
     summary, _ = adapter_eval
     scored = harness_samples(summary, "tiny_reverse_ll")
@@ -108,9 +130,73 @@ def test_the_loglikelihood_task_scores_the_answer_after_the_same_prompt(adapter_
     assert figures["perplexity,none"] > 1
 
 
+@pytest.mark.slow
 def test_base_only_evaluates_the_base_without_the_adapter(trained, base_eval):
-    summary, _ = base_eval
+    summary = base_eval
     assert summary["base_only"] is True and summary["model"].startswith("base ")
     assert summary["tasks"]["tiny_reverse_em"]["exact_match,strip"] <= 0.01  # the random base reverses nothing
     assert Path(summary["results_file"]).is_file()
 
+
+@pytest.fixture(scope="module")
+def merged_eval(trained, tmp_path_factory):
+    """In a process of its own, one thread as each rank has: its time per sample is compared with the ranks'."""
+    return evaluate(trained / "merged", tmp_path_factory.mktemp("merged_eval"), "--tasks", "tiny_reverse")[0]
+
+
+@pytest.fixture(scope="module")
+def sharded_eval(trained, tmp_path_factory):
+    """The sharded checkpoint evaluated on 2 gloo ranks under torchrun, the model FSDP2-sharded over them."""
+    out = tmp_path_factory.mktemp("sharded_eval")
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    result = run_command(
+        [*launcher, *CLI[1:], str(trained / f"checkpoint-{STEPS}"), "--tasks", "tiny_reverse", "--out", str(out)]
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_json(out / EVAL_FILE), result
+
+
+@pytest.mark.slow
+def test_the_sharded_checkpoint_on_two_ranks_scores_as_the_merged_export_in_one_process(
+    merged_eval, sharded_eval, adapter_eval
+):
+    merged, (sharded, result), (adapter, _) = merged_eval, sharded_eval, adapter_eval
+    assert (merged["world_size"], sharded["world_size"]) == (1, 2)
+    assert "sharded over 2 ranks" in result.stderr and result.stdout.count("|tiny_reverse_em|") == 1
+    one, two = harness_samples(merged, "tiny_reverse_ll"), harness_samples(sharded, "tiny_reverse_ll")
+    assert sorted(one) == sorted(two) == list(range(200))
+    differences = [abs(float(one[i]["resps"][0][0][0]) - float(two[i]["resps"][0][0][0])) for i in one]
+    assert max(differences) < 1e-5  # fp32: the merged weights against base + adapter, sharded
+    assert all(one[i]["resps"][0][0][1] == two[i]["resps"][0][0][1] for i in one)  # greedy or not, alike
+    generated_one, generated_two = (
+        harness_samples(merged, "tiny_reverse_em"),
+        harness_samples(sharded, "tiny_reverse_em"),
+    )
+    assert all(generated_one[i]["resps"] == generated_two[i]["resps"] for i in generated_one)
+    assert (
+        merged["tasks"]["tiny_reverse_em"] == sharded["tasks"]["tiny_reverse_em"] == adapter["tasks"]["tiny_reverse_em"]
+    )
+    print(
+        f"log-likelihood max difference {max(differences):.2e}; seconds per sample: sharded on 2 ranks "
+        f"{sharded['seconds_per_sample']:.4f}, merged in one process {merged['seconds_per_sample']:.4f}, adapter in "
+        f"one process {adapter['seconds_per_sample']:.4f} (sharded / one process: "
+        f"{sharded['seconds_per_sample'] / merged['seconds_per_sample']:.2f}x, "
+        f"{sharded['seconds_per_sample'] / adapter['seconds_per_sample']:.2f}x)"
+    )
+
+
+@pytest.mark.slow
+def test_each_rank_scores_every_second_document(sharded_eval):
+    """The harness deals the documents out to the ranks in turn and gathers them in rank order."""
+    summary, _ = sharded_eval
+    for task in ("tiny_reverse_em", "tiny_reverse_ll"):
+        rows = Path(summary["samples_files"][task]).read_text().splitlines()
+        assert [json.loads(row)["doc_id"] for row in rows] == [*range(0, 200, 2), *range(1, 200, 2)]
