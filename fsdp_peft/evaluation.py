@@ -68,29 +68,37 @@ class HarnessTasks:
     tasks: dict[str, Task]  # every task to run, by name (a group's and a tag's expanded)
 
 
-def load_tasks(specs: list[str], include_paths: list[Path], limit: int | None, world_size: int) -> HarnessTasks:
+def load_tasks(
+    specs: list[str], include_paths: list[Path], limit: int | None, world_size: int, key: str = "--tasks"
+) -> HarnessTasks:
     """The named tasks (shipped, from ``include_paths``, YAML paths, else the harness's built-in ones) with their
-    data, each checked: known, loadable, its first document renders, at least one document for every rank."""
+    data, each checked: known, loadable, its first document renders, at least one document for every rank.
+    ``key`` is where the names came from (``--tasks``, or the recipe's ``eval_tasks``), for the messages."""
     if not specs:
-        raise ConfigError("--tasks: no task named; e.g. --tasks tiny_reverse_em (the shipped tasks: tiny_reverse)")
+        raise ConfigError(f"{key}: no task named; e.g. tiny_reverse_em (the shipped tasks: tag tiny_reverse)")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit: must be 1 or more documents per task, got {limit}")
     include = [EVAL_TASKS_DIR, *(_include_dir(Path(path)) for path in include_paths)]
     quiet_harness_logging()
     manager = TaskManager(include_path=[str(path) for path in include], include_defaults=False)
+    for spec in specs:
+        if not spec.strip():
+            raise ConfigError(f"{key}: an empty task name; name a harness task, group or tag, or a task YAML file")
+        if _is_yaml_path(spec) and not Path(spec).is_file():
+            raise ConfigError(f"{key}: {spec}: file not found (a task YAML file)")
     if any(not _known(manager, spec) for spec in specs):  # the harness's own ~15k tasks: indexed only when needed
         manager = TaskManager(include_path=[str(path) for path in include], include_defaults=True)
     items, tasks = [], {}
     for spec in specs:
         if not _known(manager, spec):
-            raise ConfigError(_unknown_task(manager, spec, include))
-        loaded = _load_one(manager, spec)
+            raise ConfigError(_unknown_task(manager, spec, include, key))
+        loaded = _load_one(manager, spec, key)
         children = {child for names in loaded.get("group_map", {}).values() for child in names}
         items += [group for name, group in loaded.get("groups", {}).items() if name not in children]
         items += [task for name, task in loaded["tasks"].items() if name not in children]
         tasks.update(loaded["tasks"])
     for name, task in tasks.items():
-        _check_task(name, task, limit, world_size)
+        _check_task(name, task, limit, world_size, key)
     return HarnessTasks(manager, items, tasks)
 
 
@@ -112,22 +120,28 @@ def _include_dir(path: Path) -> Path:
     return path
 
 
+def _is_yaml_path(spec: str) -> bool:
+    return spec.endswith((".yaml", ".yml"))
+
+
 def _known(manager: TaskManager, spec: str) -> bool:
-    return spec in manager.all_tasks or (spec.endswith((".yaml", ".yml")) and Path(spec).is_file())
+    return spec in manager.all_tasks or (_is_yaml_path(spec) and Path(spec).is_file())
 
 
-def _unknown_task(manager: TaskManager, spec: str, include: list[Path]) -> str:
+def _unknown_task(manager: TaskManager, spec: str, include: list[Path], key: str) -> str:
     close = difflib.get_close_matches(spec, manager.all_tasks, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    where = ", ".join(str(path) for path in include[1:]) or "none"
+    if key == "--tasks":
+        where = f"--include-path directories: {', '.join(str(path) for path in include[1:]) or 'none'}"
+    else:
+        where = "name your own tasks by their YAML file path"
     return (
-        f"--tasks {spec}: no harness task, group or tag of that name{hint}; fsdp-peft ships "
-        f"{', '.join(SHIPPED_TASKS)} (tag tiny_reverse); --include-path directories: {where}; "
-        "a task's YAML file path works too"
+        f"{key}: {spec}: no harness task, group or tag of that name{hint}; fsdp-peft ships "
+        f"{', '.join(SHIPPED_TASKS)} (tag tiny_reverse); {where}"
     )
 
 
-def _load_one(manager: TaskManager, spec: str) -> dict:
+def _load_one(manager: TaskManager, spec: str, key: str) -> dict:
     """``manager.load([spec])``; a task whose data does not load (no network, a missing file) is a `ConfigError`."""
     try:
         return manager.load([spec])
@@ -138,7 +152,7 @@ def _load_one(manager: TaskManager, spec: str) -> dict:
         dataset = (entry.cfg or {}).get("dataset_path") if entry else None
         what = f"its dataset {dataset}" if dataset else "its data"
         raise ConfigError(
-            f"--tasks {spec}: {what} could not be loaded ({type(error).__name__}: {_first_line(error)}); "
+            f"{key}: {spec}: {what} could not be loaded ({type(error).__name__}: {_first_line(error)}); "
             "without network, give the task local data (custom_dataset, or dataset_kwargs.data_files with an "
             "absolute path) or fill the Hugging Face cache first (HF_DATASETS_OFFLINE=1 then reads it)"
         ) from None
@@ -149,7 +163,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _check_task(name: str, task: Task, limit: int | None, world_size: int) -> None:
+def _check_task(name: str, task: Task, limit: int | None, world_size: int, key: str) -> None:
     """What would otherwise fail mid-evaluation, after the weights loaded: no documents for a rank (the harness
     raises on the empty rank), a document that does not render, generation settings `HarnessLM` cannot follow."""
     try:
@@ -160,13 +174,13 @@ def _check_task(name: str, task: Task, limit: int | None, world_size: int) -> No
             task.doc_to_target(docs[0])
     except Exception as error:  # jinja's UndefinedError for a missing column, the harness's own errors
         raise ConfigError(
-            f"--tasks {name}: its first document does not render ({type(error).__name__}: {_first_line(error)}); "
+            f"{key}: {name}: its first document does not render ({type(error).__name__}: {_first_line(error)}); "
             "check the task's doc_to_text/doc_to_target against its dataset's columns"
         ) from None
     used = count if limit is None else min(limit, count)
     if used < world_size:
         raise ConfigError(
-            f"--tasks {name}: {used} document{'s' if used != 1 else ''}"
+            f"{key}: {name}: {used} document{'s' if used != 1 else ''}"
             f"{f' (--limit {limit})' if limit is not None else ''} for {world_size} ranks; the harness deals the "
             f"documents out to the ranks in turn and fails on a rank that gets none: evaluate at least {world_size} "
             "documents, or launch fewer processes"
@@ -175,7 +189,7 @@ def _check_task(name: str, task: Task, limit: int | None, world_size: int) -> No
         unknown = sorted(set(task.get_config("generation_kwargs") or {}) - GENERATION_KWARGS)
         if unknown:
             raise ConfigError(
-                f"--tasks {name}: generation_kwargs {unknown} are not supported by fsdp-peft eval (it follows "
+                f"{key}: {name}: generation_kwargs {unknown} are not supported by fsdp-peft eval (it follows "
                 f"{', '.join(sorted(GENERATION_KWARGS))}); remove them from the task's YAML"
             )
 

@@ -1,10 +1,10 @@
 """``fsdp-peft eval``: lm-evaluation-harness tasks on a trained adapter, its base, its sharded checkpoint and its
-merged export, against the recipe's own held-out figures.
+merged export, against the recipe's own held-out figures; bad input refused in one line before any weights load.
 
 One short LoRA run (90 steps at a constant rate: exact match about 0.4 on the 200 held-out prompts, so neither 0
 nor 1) leaves every kind of source: the ``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32
-``merged/`` export. Each evaluation below is one real harness run, shared by the tests that read it: the base's runs
-in this process (`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each,
+``merged/`` export. Each evaluation below is one real harness run, shared by the tests that read it: the base's and
+the refusals run in this process (`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each,
 the others as users start them (a process of their own, torchrun).
 """
 
@@ -200,3 +200,85 @@ def test_each_rank_scores_every_second_document(sharded_eval):
     for task in ("tiny_reverse_em", "tiny_reverse_ll"):
         rows = Path(summary["samples_files"][task]).read_text().splitlines()
         assert [json.loads(row)["doc_id"] for row in rows] == [*range(0, 200, 2), *range(1, 200, 2)]
+
+
+HUB_TASK = """task: hub_task
+dataset_path: EleutherAI/lambada_openai
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{text}}"
+doc_to_target: " x"
+"""
+MISSING_FILE_TASK = """task: local_task
+dataset_path: json
+dataset_kwargs: {data_files: {test: /nonexistent/fsdp-peft/rows.jsonl}}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{completion}}"
+"""
+REFUSALS = {  # arguments after SOURCE, the error line's start
+    "unknown task": (
+        ["--tasks", "tiny_revers_em"],
+        "--tasks: tiny_revers_em: no harness task, group or tag of that name (did you mean tiny_reverse_em?); "
+        "fsdp-peft ships tiny_reverse_em, tiny_reverse_ll (tag tiny_reverse)",
+    ),
+    "hub data offline": (
+        ["--tasks", "hub_task", "--include-path", "{tasks}"],
+        "--tasks: hub_task: its dataset EleutherAI/lambada_openai could not be loaded (ConnectionError: Couldn't "
+        "reach 'EleutherAI/lambada_openai' on the Hub (OfflineModeIsEnabled)); without network, give the task local",
+    ),
+    "local data missing": (
+        ["--tasks", "local_task", "--include-path", "{tasks}"],
+        "--tasks: local_task: its dataset json could not be loaded (FileNotFoundError: Unable to find "
+        "'/nonexistent/fsdp-peft/rows.jsonl')",
+    ),
+    "broken task yaml": (
+        ["--tasks", "tiny_reverse_em", "--include-path", "{broken}"],
+        "--include-path: {broken}/bad.yaml:2: not valid YAML",
+    ),
+    "fewer documents than ranks": (
+        ["--tasks", "tiny_reverse_em", "--limit", "1"],
+        "--tasks: tiny_reverse_em: 1 document (--limit 1) for 2 ranks; the harness deals the documents out to the "
+        "ranks in turn and fails on a rank that gets none: evaluate at least 2 documents, or launch fewer processes",
+    ),
+    "not a model": (
+        ["--tasks", "tiny_reverse_em"],
+        "SOURCE: {source} is none of: a merged model directory (config.json + *.safetensors), an adapter directory",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    from fsdp_peft import evaluation, inference
+
+    def no_weights(*_, **__):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(inference, "load_base_model", no_weights)
+    monkeypatch.setattr(inference.AutoModelForCausalLM, "from_pretrained", no_weights)
+    if case != "not a model":  # the task checks come before SOURCE is even looked at
+        monkeypatch.setattr(evaluation, "load_for_generation", no_weights)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("WORLD_SIZE", "2" if case == "fewer documents than ranks" else "1")  # checked before any group
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(HUB_TASK)
+    (tmp_path / "tasks" / "local.yaml").write_text(MISSING_FILE_TASK)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "bad.yaml").write_text("task: bad\n  output_type: [loglikelihood\n")
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "notes.txt").write_text("not a model")
+    places = {"{tasks}": tmp_path / "tasks", "{broken}": tmp_path / "broken", "{source}": tmp_path / "source"}
+    arguments, message = REFUSALS[case]
+    for placeholder, path in places.items():
+        arguments = [a.replace(placeholder, str(path)) for a in arguments]
+        message = message.replace(placeholder, str(path))
+    code, stdout, stderr = evaluate_here(str(tmp_path / "source"), *arguments, "--out", str(tmp_path / "out"))
+    assert code == 2 and stdout == "", stderr[-3000:]
+    assert stderr.startswith(f"error: {message}") and stderr.count("\n") == 1, stderr[-3000:]
