@@ -1,8 +1,10 @@
 """``fsdp-peft eval``: lm-evaluation-harness tasks on an adapter, checkpoint or merged model, sharded when launched so.
 
-check the tasks (names, data, documents per rank; before any process group or weights) → load SOURCE as
-``fsdp-peft generate`` does (`fsdp_peft.inference.load_for_generation`) → FSDP2-shard it over the launched ranks →
-the harness's evaluator → on rank 0: the harness's own files (``EvaluationTracker``), its table, ``eval.json``.
+check the tasks (`fsdp_peft.eval_tasks`: names, data, documents per rank; before any process group or weights) →
+load SOURCE as ``fsdp-peft generate`` does (`fsdp_peft.inference.load_for_generation`) → FSDP2-shard it over the
+launched ranks → the harness's evaluator → on rank 0: the harness's own files (``EvaluationTracker``), its table,
+``eval.json``. A recipe naming ``eval_tasks`` runs the same evaluation on its trained model
+(`evaluate_after_training`, from `fsdp_peft.ending`).
 
 `HarnessLM` is the model as the harness sees it, the same class in one process and on several ranks. The
 evaluator gives each rank every ``world_size``-th document and pads the ranks to equal request counts; it reaches
@@ -18,29 +20,22 @@ model's dtype. Generation is `fsdp_peft.generation`'s, so a task's greedy comple
 
 from __future__ import annotations
 
-import difflib
 import gc
 import json
-import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
-from lm_eval.api.task import Task
 from lm_eval.loggers import EvaluationTracker
-from lm_eval.tasks import TaskManager
-from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
 from fsdp_peft.distributed import gathered_from_every_rank, ranks, release_process_group, start_process_group
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.eval_tasks import EVAL_TASKS_DIR, SHIPPED_TASKS
+from fsdp_peft.eval_tasks import EVAL_TASKS_KEY, HarnessTasks, load_tasks
 from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import (
     GenerationSettings,
@@ -55,156 +50,8 @@ from fsdp_peft.log import logger
 from fsdp_peft.modeling import local_device
 
 EVAL_FILE = "eval.json"
+EVAL_DIR = "eval"  # where a run's harness files go, in its output_dir
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default, for a generate_until task that sets none
-GENERATION_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p"}  # what `HarnessLM` maps
-
-
-@dataclass
-class HarnessTasks:
-    """Tasks loaded with their data and checked (before any weights load): what `evaluate_tasks` runs."""
-
-    manager: TaskManager
-    items: list  # the Task and Group objects, as named on the command line or in eval_tasks
-    tasks: dict[str, Task]  # every task to run, by name (a group's and a tag's expanded)
-
-
-def load_tasks(
-    specs: list[str], include_paths: list[Path], limit: int | None, world_size: int, key: str = "--tasks"
-) -> HarnessTasks:
-    """The named tasks (shipped, from ``include_paths``, YAML paths, else the harness's built-in ones) with their
-    data, each checked: known, loadable, its first document renders, at least one document for every rank.
-    ``key`` is where the names came from (``--tasks``, or the recipe's ``eval_tasks``), for the messages."""
-    if not specs:
-        raise ConfigError(f"{key}: no task named; e.g. tiny_reverse_em (the shipped tasks: tag tiny_reverse)")
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit: must be 1 or more documents per task, got {limit}")
-    include = [EVAL_TASKS_DIR, *(_include_dir(Path(path)) for path in include_paths)]
-    quiet_harness_logging()
-    manager = TaskManager(include_path=[str(path) for path in include], include_defaults=False)
-    for spec in specs:
-        if not spec.strip():
-            raise ConfigError(f"{key}: an empty task name; name a harness task, group or tag, or a task YAML file")
-        if _is_yaml_path(spec) and not Path(spec).is_file():
-            raise ConfigError(f"{key}: {spec}: file not found (a task YAML file)")
-    if any(not _known(manager, spec) for spec in specs):  # the harness's own ~15k tasks: indexed only when needed
-        manager = TaskManager(include_path=[str(path) for path in include], include_defaults=True)
-    items, tasks = [], {}
-    for spec in specs:
-        if not _known(manager, spec):
-            raise ConfigError(_unknown_task(manager, spec, include, key))
-        loaded = _load_one(manager, spec, key)
-        children = {child for names in loaded.get("group_map", {}).values() for child in names}
-        items += [group for name, group in loaded.get("groups", {}).items() if name not in children]
-        items += [task for name, task in loaded["tasks"].items() if name not in children]
-        tasks.update(loaded["tasks"])
-    for name, task in tasks.items():
-        _check_task(name, task, limit, world_size, key)
-    return HarnessTasks(manager, items, tasks)
-
-
-def _include_dir(path: Path) -> Path:
-    """An ``--include-path`` directory, every YAML in it parsed: the harness's index would skip a broken one
-    silently, and the task would then read as unknown."""
-    if not path.is_dir():
-        raise ConfigError(f"--include-path: {path} is not a directory (of harness task YAML files)")
-    files = sorted(path.rglob("*.yaml"))
-    if not files:
-        raise ConfigError(f"--include-path: {path} holds no *.yaml task files")
-    for file in files:
-        try:
-            load_yaml(file, resolve_func=False, recursive=False)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f"{file}:{mark.line + 1}" if mark else str(file)
-            raise ConfigError(f"--include-path: {where}: not valid YAML ({getattr(error, 'problem', error)})") from None
-    return path
-
-
-def _is_yaml_path(spec: str) -> bool:
-    return spec.endswith((".yaml", ".yml"))
-
-
-def _known(manager: TaskManager, spec: str) -> bool:
-    return spec in manager.all_tasks or (_is_yaml_path(spec) and Path(spec).is_file())
-
-
-def _unknown_task(manager: TaskManager, spec: str, include: list[Path], key: str) -> str:
-    close = difflib.get_close_matches(spec, manager.all_tasks, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    if key == "--tasks":
-        where = f"--include-path directories: {', '.join(str(path) for path in include[1:]) or 'none'}"
-    else:
-        where = "name your own tasks by their YAML file path"
-    return (
-        f"{key}: {spec}: no harness task, group or tag of that name{hint}; fsdp-peft ships "
-        f"{', '.join(SHIPPED_TASKS)} (tag tiny_reverse); {where}"
-    )
-
-
-def _load_one(manager: TaskManager, spec: str, key: str) -> dict:
-    """``manager.load([spec])``; a task whose data does not load (no network, a missing file) is a `ConfigError`."""
-    try:
-        return manager.load([spec])
-    except ConfigError:
-        raise
-    except Exception as error:  # the harness raises whatever the dataset library or the YAML raised
-        entry = manager.task_index.get(spec)
-        dataset = (entry.cfg or {}).get("dataset_path") if entry else None
-        what = f"its dataset {dataset}" if dataset else "its data"
-        raise ConfigError(
-            f"{key}: {spec}: {what} could not be loaded ({type(error).__name__}: {_first_line(error)}); "
-            "without network, give the task local data (custom_dataset, or dataset_kwargs.data_files with an "
-            "absolute path) or fill the Hugging Face cache first (HF_DATASETS_OFFLINE=1 then reads it)"
-        ) from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or repr(error)
-    return text.splitlines()[0]
-
-
-def _check_task(name: str, task: Task, limit: int | None, world_size: int, key: str) -> None:
-    """What would otherwise fail mid-evaluation, after the weights loaded: no documents for a rank (the harness
-    raises on the empty rank), a document that does not render, generation settings `HarnessLM` cannot follow."""
-    try:
-        docs = task.eval_docs
-        count = len(docs)
-        if count:
-            task.doc_to_text(docs[0])
-            task.doc_to_target(docs[0])
-    except Exception as error:  # jinja's UndefinedError for a missing column, the harness's own errors
-        raise ConfigError(
-            f"{key}: {name}: its first document does not render ({type(error).__name__}: {_first_line(error)}); "
-            "check the task's doc_to_text/doc_to_target against its dataset's columns"
-        ) from None
-    used = count if limit is None else min(limit, count)
-    if used < world_size:
-        raise ConfigError(
-            f"{key}: {name}: {used} document{'s' if used != 1 else ''}"
-            f"{f' (--limit {limit})' if limit is not None else ''} for {world_size} ranks; the harness deals the "
-            f"documents out to the ranks in turn and fails on a rank that gets none: evaluate at least {world_size} "
-            "documents, or launch fewer processes"
-        )
-    if task.get_config("output_type") == "generate_until":
-        unknown = sorted(set(task.get_config("generation_kwargs") or {}) - GENERATION_KWARGS)
-        if unknown:
-            raise ConfigError(
-                f"{key}: {name}: generation_kwargs {unknown} are not supported by fsdp-peft eval (it follows "
-                f"{', '.join(sorted(GENERATION_KWARGS))}); remove them from the task's YAML"
-            )
-
-
-def quiet_harness_logging() -> None:
-    """Keep the harness's per-task notice about custom datasets' keyword arguments (every shipped task has a
-    custom dataset, and takes none) off the output."""
-    task_logger = logging.getLogger("lm_eval.api.task")
-    if not any(isinstance(f, _CustomDatasetNotice) for f in task_logger.filters):
-        task_logger.addFilter(_CustomDatasetNotice())
-
-
-class _CustomDatasetNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed" not in record.getMessage()
 
 
 class HarnessLM(LM):
@@ -452,6 +299,24 @@ def evaluate_tasks(
 def _metrics(task_results: dict) -> dict:
     """A task's figures as the harness keys them (``metric,filter``), without their standard errors."""
     return {key: value for key, value in task_results.items() if "," in key and "_stderr," not in key}
+
+
+def evaluate_after_training(
+    model, tokenizer, recipe, adapter_dir: Path, output_dir: Path, device: torch.device
+) -> dict | None:
+    """The recipe's ``eval_tasks`` on the trained model as the trainer holds it (sharded; every rank calls this):
+    the harness's files and ``eval.json`` in ``output_dir/eval``; on rank 0 ``eval.json``'s content."""
+    _, world = group_ranks()
+    tasks = load_tasks(list(recipe.eval_tasks), [], None, world, key=EVAL_TASKS_KEY)
+    logger.info(f"harness tasks on the trained model: {', '.join(tasks.tasks)}")
+    lm = HarnessLM(model, tokenizer, device, recipe.generate_batch_size, recipe.generate_gather_budget)
+    model_args = {"pretrained": str(recipe.model_name_or_path), "peft": str(adapter_dir)}
+    about = {
+        "source": str(adapter_dir),
+        "model": f"the trained model ({recipe.model_name_or_path} + adapter), as the trainer holds it",
+        "base_only": False,
+    }
+    return evaluate_tasks(lm, tasks, output_dir / EVAL_DIR, model_args, recipe.use_chat_template, about=about)
 
 
 def run_eval(args) -> None:

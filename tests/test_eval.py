@@ -1,11 +1,13 @@
 """``fsdp-peft eval``: lm-evaluation-harness tasks on a trained adapter, its base, its sharded checkpoint and its
-merged export, against the recipe's own held-out figures; bad input refused in one line before any weights load.
+merged export, against the recipe's own held-out figures; the recipe's ``eval_tasks``; bad input refused in one
+line before any weights load.
 
 One short LoRA run (90 steps at a constant rate: exact match about 0.4 on the 200 held-out prompts, so neither 0
-nor 1) leaves every kind of source: the ``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32
-``merged/`` export. Each evaluation below is one real harness run, shared by the tests that read it: the base's and
-the refusals run in this process (`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each,
-the others as users start them (a process of their own, torchrun).
+nor 1), whose YAML names ``eval_tasks`` (the harness at the end of training), leaves every kind of source: the
+``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32 ``merged/`` export. Each evaluation below
+is one real harness run, shared by the tests that read it: the base's and the refusals run in this process
+(`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each, the others as users start them
+(a process of their own, torchrun).
 """
 
 from __future__ import annotations
@@ -27,19 +29,30 @@ STEPS = 90
 CLI = [sys.executable, "-m", "fsdp_peft.cli", "eval"]
 
 
+EVAL_TASKS_YAML = """include: llama_lora/tiny.yaml
+eval_tasks: [tiny_reverse]           # the harness at the end of training
+generate_gather_budget: none         # ranks in step: every forward and generate call gathers (the synced path)
+"""
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model_dir) -> Path:
-    output_dir = tmp_path_factory.mktemp("eval_source")
-    launch_recipe(
+def training(tmp_path_factory, tiny_model_dir) -> tuple[Path, str]:
+    """The run's ``output_dir`` and what its launch printed."""
+    base = tmp_path_factory.mktemp("eval_source")
+    (base / "eval_tasks.yaml").write_text(EVAL_TASKS_YAML)
+    result = launch_recipe(
         "llama_lora",
-        *("--output_dir", str(output_dir), "--max_steps", str(STEPS)),
+        *("--config", str(base / "eval_tasks.yaml"), "--output_dir", str(base / "run"), "--max_steps", str(STEPS)),
         *("--warmup_steps", "0", "--lr_scheduler_type", "constant"),
         *("--save_strategy", "steps", "--save_steps", str(STEPS), "--generate_eval_samples", "0"),
         *("--export_merged", "true", "--export_dtype", "fp32"),
-        "--overwrite_output_dir",
-        "true",
     )
-    return output_dir
+    return base / "run", result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(training) -> Path:
+    return training[0]
 
 
 def evaluate(source: Path, out: Path, *options: str) -> tuple[dict, object]:
@@ -200,6 +213,25 @@ def test_each_rank_scores_every_second_document(sharded_eval):
     for task in ("tiny_reverse_em", "tiny_reverse_ll"):
         rows = Path(summary["samples_files"][task]).read_text().splitlines()
         assert [json.loads(row)["doc_id"] for row in rows] == [*range(0, 200, 2), *range(1, 200, 2)]
+
+
+@pytest.mark.slow
+def test_eval_tasks_in_the_recipe_yaml_run_the_harness_on_the_trained_sharded_model(training):
+    output_dir, printed = training
+    results = read_json(output_dir / "results.json")
+    figures = results["eval_tasks"]
+    assert set(figures) == {"tiny_reverse_em", "tiny_reverse_ll"}
+    assert figures["tiny_reverse_em"] == {"samples": 200, "exact_match,strip": results["exact_match_after"]}
+    summary = read_json(output_dir / "eval" / EVAL_FILE)
+    assert summary["world_size"] == 2 and summary["tasks"] == figures
+    assert results["eval_tasks_results"] == summary["results_file"] and Path(summary["results_file"]).is_file()
+    recipe_rows = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    harness = harness_samples(summary, "tiny_reverse_em")
+    assert [harness[i]["resps"] for i in range(200)] == [[[row["generated"]]] for row in recipe_rows]
+    em = figures["tiny_reverse_em"]["exact_match,strip"]
+    assert f"[fsdp-peft] harness tiny_reverse_em on 200 documents: exact_match,strip {em:.4g}" in printed
+    assert f"[fsdp-peft] harness results: {summary['results_file']}" in printed
+    assert printed.count("|tiny_reverse_em|") == 1  # the harness's table, from rank 0
 
 
 HUB_TASK = """task: hub_task
