@@ -32,7 +32,16 @@ from fsdp_peft.tiny import ASSETS, TINY_DATASET_DIR
 EVAL_TASKS_DIR = ASSETS / "eval_tasks"
 SHIPPED_TASKS = ("tiny_reverse_em", "tiny_reverse_ll")  # and the tag over both, ``tiny_reverse``
 EVAL_TASKS_KEY = "eval_tasks"  # the recipe key: harness tasks at the end of training
-GENERATION_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p"}  # what HarnessLM follows
+GENERATION_KWARGS = {  # what HarnessLM follows: stop strings, length (under each of the harness's names), sampling
+    "until",
+    "max_gen_toks",
+    "max_new_tokens",
+    "max_tokens",
+    "max_completion_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+}
 
 
 def _rows(path: Path) -> list[dict]:

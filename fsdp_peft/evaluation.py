@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
 from lm_eval.loggers import EvaluationTracker
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
 from fsdp_peft.distributed import gathered_from_every_rank, ranks, release_process_group, start_process_group
@@ -201,19 +202,20 @@ class HarnessLM(LM):
         return completions
 
     def _settings(self, kwargs: dict) -> tuple[GenerationSettings, list[str]]:
-        """The harness's generation kwargs as `GenerationSettings`, and the stop strings (EOS among them)."""
-        until = kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
+        """The harness's generation kwargs (normalized as its own models normalize them) as `GenerationSettings`,
+        and the stop strings, EOS among them. Sampling needs ``do_sample`` and a temperature above 0."""
+        kwargs = normalize_gen_kwargs(kwargs, DEFAULT_MAX_GEN_TOKS)
+        until = list(kwargs["until"])
         if self.tokenizer.eos_token and self.tokenizer.eos_token not in until:
             until.append(self.tokenizer.eos_token)
-        temperature = float(kwargs.get("temperature", 0.0) or 0.0)
-        do_sample = bool(kwargs.get("do_sample", False)) and temperature > 0.0  # the harness: temperature 0 is greedy
+        temperature = float(kwargs.get("temperature") or 0.0)
+        do_sample = bool(kwargs["do_sample"]) and temperature > 0.0
         settings = GenerationSettings(
-            max_new_tokens=int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
+            max_new_tokens=kwargs["max_gen_toks"],
             batch_size=self.batch_size,
             do_sample=do_sample,
             temperature=temperature if do_sample else 1.0,
-            top_p=float(kwargs.get("top_p", 1.0)),
+            top_p=float(kwargs.get("top_p") or 1.0),
             gather_budget=self.gather_budget,
             stop_strings=tuple(stop for stop in until if stop and stop != self.tokenizer.eos_token),
         )

@@ -234,6 +234,73 @@ def test_eval_tasks_in_the_recipe_yaml_run_the_harness_on_the_trained_sharded_mo
     assert printed.count("|tiny_reverse_em|") == 1  # the harness's table, from rank 0
 
 
+@pytest.fixture(scope="module")
+def random_lm(tiny_model_dir):
+    """`HarnessLM` over the random embedded model in this process, batches of 3 (so requests share batches)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_peft.evaluation import HarnessLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return HarnessLM(model, AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"), batch_size=3)
+
+
+def _requests(kind: str, *arguments: tuple):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, args, index) for index, args in enumerate(arguments)]
+
+
+def _direct_logprob(lm, context: str, continuation: str) -> float:
+    """The continuation's log-probability from one unpadded forward, log-softmax in fp32."""
+    import torch
+
+    encode = lambda text: lm.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    context_ids = encode(context) if context else [lm.tokenizer.bos_token_id]
+    ids = context_ids + encode(continuation)
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ids[:-1]])).logits[0].float().log_softmax(-1)
+    return sum(logits[i - 1, ids[i]].item() for i in range(len(context_ids), len(ids)))
+
+
+def test_loglikelihoods_are_one_forward_each_whatever_the_batch_and_trailing_spaces_go_to_the_answer(random_lm):
+    pairs = [("reverse: abc", "cba"), ("", "hello world"), ("a much longer prompt than the others: ", "x"), ("q", "")]
+    scored = random_lm.loglikelihood(_requests("loglikelihood", *pairs))
+    for (context, continuation), (logprob, _) in zip(pairs[:3], scored):
+        expected = _direct_logprob(random_lm, context.rstrip(), context[len(context.rstrip()) :] + continuation)
+        assert logprob == pytest.approx(expected, abs=1e-5), (context, continuation)
+    assert scored[3] == (0.0, True)  # nothing to score
+    (moved, _), (written, _) = random_lm.loglikelihood(_requests("loglikelihood", ("ab ", "cd"), ("ab", " cd")))
+    assert moved == written
+
+
+def test_a_rolling_loglikelihood_scores_the_whole_text_after_bos(random_lm):
+    text = "the quick brown fox"
+    (rolled,) = random_lm.loglikelihood_rolling(_requests("loglikelihood_rolling", (text,)))
+    assert rolled == pytest.approx(_direct_logprob(random_lm, "", text), abs=1e-5)
+
+
+def test_generation_stops_at_the_tasks_strings_and_temperature_zero_is_greedy(random_lm):
+    import torch
+
+    from fsdp_peft.generation import GenerationSettings, generate_completions
+
+    prompts = ["reverse: hello", "reverse: abcde", "reverse: xyz", "reverse: q"]
+    greedy = generate_completions(
+        random_lm.model, random_lm.tokenizer, prompts, GenerationSettings(12, 3), torch.device("cpu")
+    )
+    stop = next(char for text in greedy for char in text if char.strip())  # a character some completion contains
+    settings = [
+        {"until": [], "max_gen_toks": 12, "do_sample": False},
+        {"until": stop, "max_new_tokens": 12, "do_sample": True, "temperature": 0.0},  # the harness's alias; greedy
+    ]
+    requests = _requests("generate_until", *[(prompt, kwargs) for kwargs in settings for prompt in prompts])
+    completions = random_lm.generate_until(requests)
+    assert completions[:4] == greedy
+    assert completions[4:] == [text.split(stop)[0] for text in greedy] != greedy
+
+
 HUB_TASK = """task: hub_task
 dataset_path: EleutherAI/lambada_openai
 output_type: loglikelihood
