@@ -117,6 +117,12 @@ def _generate(args: argparse.Namespace) -> None:
         release_process_group()
 
 
+def _eval(args: argparse.Namespace) -> None:
+    from fsdp_peft.evaluation import run_eval  # lazy: ls/cp must not import torch (nor the harness)
+
+    run_eval(args)  # checks the tasks before it joins the process group
+
+
 def _plan(args: argparse.Namespace) -> None:
     """Estimate per-GPU and host memory of a recipe config from the model config alone (no weights)."""
     from fsdp_peft.plan import format_plan, plan_memory  # lazy: ls/cp must not import torch
@@ -245,6 +251,41 @@ def _add_model_commands(commands) -> None:
     generate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     generate.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, completion")
     generate.set_defaults(run=_generate)
+    evaluate = commands.add_parser(
+        "eval",
+        help="lm-evaluation-harness tasks on an adapter, checkpoint or merged model (sharded under accelerate launch)",
+    )
+    evaluate.add_argument(
+        "source",
+        type=Path,
+        help="merged model directory, adapter directory, Trainer checkpoint, or training output_dir",
+    )
+    evaluate.add_argument(
+        "--tasks",
+        required=True,
+        metavar="T[,T...]",
+        help="harness tasks, groups or tags (comma-separated), or task YAML files; shipped: tiny_reverse_em, "
+        "tiny_reverse_ll (tag tiny_reverse)",
+    )
+    evaluate.add_argument(
+        "--include-path", type=Path, action="append", metavar="DIR", help="a directory of your own task YAMLs"
+    )
+    evaluate.add_argument("--limit", type=int, metavar="N", help="the first N documents of each task")
+    evaluate.add_argument(
+        "--out", type=Path, default=Path("eval_results"), metavar="DIR", help="where results go (eval_results)"
+    )
+    evaluate.add_argument(
+        "--base-only", action="store_true", help="evaluate the adapter's base alone (the before of a before/after)"
+    )
+    evaluate.add_argument("--base", help="base model for an adapter (hub id or directory); default: the adapter's own")
+    evaluate.add_argument("--allow-base-mismatch", action="store_true", help=ALLOW_BASE_MISMATCH_HELP)
+    eval_chat = evaluate.add_mutually_exclusive_group()
+    eval_chat.add_argument("--chat", action="store_true", default=None, help="render prompts with the chat template")
+    eval_chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the tasks' prompts as raw text")
+    evaluate.add_argument("--max-gen-toks", type=int, metavar="N", help="new tokens of every generate_until task")
+    evaluate.add_argument("--batch-size", type=int, default=32, help="requests per forward or generate call per rank")
+    evaluate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
+    evaluate.set_defaults(run=_eval)
     tiny = commands.add_parser("tiny-model", help="build an embedded tiny model (once) and print its path")
     tiny.add_argument("name", nargs="?", default=TINY_MODEL_NAME, choices=TINY_MODEL_NAMES)
     tiny.set_defaults(run=_tiny)

@@ -169,6 +169,13 @@ class RecipeArguments:
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )
+    eval_tasks: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "lm-evaluation-harness tasks run on the trained, still-sharded model at the end (names or task "
+            "YAML paths, as fsdp-peft eval's --tasks); figures in results.json, files in output_dir/eval"
+        },
+    )
     beta: float | None = field(
         default=None,
         metadata={
@@ -295,6 +302,7 @@ LIST_KEYS = (
     "new_special_tokens",
     "reward_funcs",
     "reward_weights",
+    "eval_tasks",
 )
 
 

@@ -40,6 +40,14 @@ def end_run(
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()
     measured = measure(output_dir)
+    harness = None
+    if recipe.eval_tasks:  # collective: the harness's requests run on every rank's shard
+        from fsdp_peft.evaluation import evaluate_after_training  # lazy: the harness only for a run that names tasks
+
+        tokenizer = trainer.processing_class
+        harness = evaluate_after_training(
+            trainer.model, tokenizer, recipe, adapter_dir, output_dir, trainer.args.device
+        )
     merged_dir = output_dir / "merged"
     if recipe.export_merged and trainer.is_world_process_zero():
         base = resolve_model_path(recipe.model_name_or_path)
@@ -61,6 +69,8 @@ def end_run(
         "total_seconds": time.monotonic() - started,
         "last_train_loss": last_logged(log_history, "loss"),
         "loss_curve": plot_loss_curve(log_history, output_dir / LOSS_CURVE_FILE),
+        "eval_tasks": harness["tasks"] if harness else None,
+        "eval_tasks_results": harness["results_file"] if harness else None,
     }
     (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1))
     for line in summary(results, output_dir).splitlines():
@@ -82,12 +92,25 @@ def summary(results: dict, output_dir: Path) -> str:
     ]
     details = SUMMARY_DETAILS.get(results.get("procedure", SFT))
     lines += details(results, output_dir) if details else []
+    lines += harness_lines(results)
     lines.append(f"adapter: {results['adapter_dir']}")
     if results["merged_dir"]:
         lines.append(f"merged full weights: {results['merged_dir']}")
     lines.append(f"loss curve: {results['loss_curve'] or 'not drawn (no loss was logged: lower logging_steps)'}")
     lines.append(f"results: {output_dir / RESULTS_FILE}")
     return "\n".join(PREFIX + line for line in lines)
+
+
+def harness_lines(results: dict) -> list[str]:
+    """The lines of the harness tasks a run named in ``eval_tasks``: each task's figures, then the files."""
+    if not results.get("eval_tasks"):
+        return []
+    lines = []
+    for name, figures in results["eval_tasks"].items():
+        shown = ", ".join(f"{metric} {value:.4g}" for metric, value in figures.items() if metric != "samples")
+        lines.append(f"harness {name} on {figures['samples']} documents: {shown}")
+    lines.append(f"harness results: {results['eval_tasks_results']}")
+    return lines
 
 
 def sft_details(results: dict, output_dir: Path) -> list[str]:

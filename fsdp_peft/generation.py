@@ -44,6 +44,7 @@ class GenerationSettings:
     top_p: float = 1.0
     gather_budget: str = "auto"
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    stop_strings: tuple[str, ...] = ()  # also stop a completion once its text ends in one of these
 
     @classmethod
     def from_recipe(cls, recipe) -> GenerationSettings:
@@ -151,38 +152,15 @@ def generate_completions(
     batches of one prompt.
     """
     # the process group's ranks, the ones the gathers run over (`fsdp_peft.distributed.ranks`: the launcher's)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    rank, world = group_ranks()
     mine = list(range(rank, len(prompts), world))
-    was_training = model.training
-    model.eval()
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    results: list[tuple[int, str]] = []
-    try:
-        with parameters_gathered(model, parse_gather_budget(settings.gather_budget)) as whole:
-            synced = world > 1 and not whole
-            # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
-            per_rank = math.ceil(len(prompts) / world) if synced else len(mine)
-            for index in range(math.ceil(per_rank / settings.batch_size)):
-                chunk = mine[index * settings.batch_size : (index + 1) * settings.batch_size]
-                texts = [prompts[i] for i in chunk] or [prompts[0]]
-                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                output = model.generate(
-                    **encoded,
-                    max_new_tokens=settings.max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
-                    synced_gpus=synced,
-                    streamer=streamer if rank == 0 else None,
-                    **settings.sampling_kwargs(),
-                )
-                new_tokens = output[:, encoded["input_ids"].shape[1] :]
-                decoded = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-                results.extend(zip(chunk, decoded))
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train(was_training)
+    with parameters_gathered(model, parse_gather_budget(settings.gather_budget)) as whole:
+        synced = world > 1 and not whole
+        # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
+        calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None
+        own = [prompts[i] for i in mine]
+        texts = complete_on_this_rank(model, tokenizer, own, settings, device, calls, prompts[0], streamer)
+    results = list(zip(mine, texts))
     if world == 1:
         return [text for _, text in sorted(results)]
     gathered = [None] * world if rank == 0 else None
@@ -190,6 +168,69 @@ def generate_completions(
     if rank != 0:
         return None
     return [text for _, text in sorted(pair for part in gathered for pair in part)]
+
+
+def group_ranks() -> tuple[int, int]:
+    """This process's rank and the world size of its process group (``(0, 1)`` without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def evaluation_mode(model, tokenizer) -> Iterator[None]:
+    """The model in eval mode and the tokenizer padding on the left for the block; both restored after."""
+    was_training, padding_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        yield
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+
+
+@torch.no_grad()
+def complete_on_this_rank(
+    model,
+    tokenizer,
+    prompts: list[str],
+    settings: GenerationSettings,
+    device: torch.device,
+    calls: int | None = None,
+    placeholder: str | None = None,
+    streamer=None,
+) -> list[str]:
+    """This rank's completions of its own ``prompts``, in order, ``settings.batch_size`` per ``generate`` call.
+
+    Called inside `parameters_gathered`. ``calls`` set means the ranks are kept in step (``synced_gpus``): run
+    exactly that many calls, completing ``placeholder`` once the own prompts run out (their output dropped).
+    """
+    rank, _ = group_ranks()
+    count = calls if calls is not None else math.ceil(len(prompts) / settings.batch_size)
+    completions: list[str] = []
+    stop = list(settings.stop_strings) or None
+    with evaluation_mode(model, tokenizer):
+        for index in range(count):
+            texts = prompts[index * settings.batch_size : (index + 1) * settings.batch_size]
+            encoded = tokenizer(texts or [placeholder], return_tensors="pt", padding=True, add_special_tokens=False).to(
+                device
+            )
+            output = model.generate(
+                **encoded,
+                max_new_tokens=settings.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
+                synced_gpus=calls is not None,
+                streamer=streamer if rank == 0 else None,
+                stop_strings=stop,
+                tokenizer=tokenizer if stop else None,
+                **settings.sampling_kwargs(),
+            )
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)[: len(texts)]
+    return completions
 
 
 def evaluate_exact_match(

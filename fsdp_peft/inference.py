@@ -48,6 +48,8 @@ class LoadedModel:
     tokenizer: object
     chat: bool | None
     description: str
+    base_dir: Path | None = None  # an adapter's base model directory (None: a merged model)
+    adapter_dir: Path | None = None  # the adapter loaded onto it (None: a merged model, or the base alone)
 
 
 def is_merged_model_dir(source: Path) -> bool:
@@ -59,11 +61,12 @@ def is_merged_model_dir(source: Path) -> bool:
 
 
 def load_for_generation(
-    source: Path, base: str | None, device: torch.device, allow_base_mismatch: bool = False
+    source: Path, base: str | None, device: torch.device, allow_base_mismatch: bool = False, base_only: bool = False
 ) -> LoadedModel:
     """Load ``source`` (merged directory or adapter source) on ``device``; `ConfigError` for anything else.
 
     An adapter's recorded base is checked against the one it is loaded onto (`check_trained_base`).
+    ``base_only``: that base as the recipe trained on it (same dtype, 4-bit for QLoRA), without the adapter.
     """
     source = Path(source)
     if not source.exists():
@@ -71,6 +74,11 @@ def load_for_generation(
     if is_merged_model_dir(source):
         if base is not None:
             raise ConfigError(f"--base: {source} is a merged model and needs no base; drop --base")
+        if base_only:
+            raise ConfigError(
+                f"--base-only: {source} is a merged model, with no adapter to leave out; give its base model "
+                "directory as SOURCE instead"
+            )
         model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", device_map={"": device})
         recipe = json.loads((source / RECIPE_FILE).read_text()) if (source / RECIPE_FILE).is_file() else {}
         chat = recipe.get("use_chat_template")
@@ -89,9 +97,12 @@ def load_for_generation(
     if init_reads_base_weights(recipe.init_lora_weights):  # converted for the original base: load that, unquantized
         recipe.init_lora_weights, recipe.load_in_4bit = "default", False
     tokenizer = _tokenizer(AutoTokenizer.from_pretrained(tokenizer_directory(adapter.origin, base_dir)))
-    model = attach_trained_adapter(grow_vocabulary(load_base_model(recipe), tokenizer, recipe), adapter)
+    model = grow_vocabulary(load_base_model(recipe), tokenizer, recipe)
     chat = recipe.use_chat_template if adapter.recipe else None
-    return LoadedModel(model, tokenizer, chat, f"adapter {adapter.origin} on {base_dir}")
+    if base_only:
+        return LoadedModel(model.eval(), tokenizer, chat, f"base {base_dir} of adapter {adapter.origin}", base_dir)
+    model = attach_trained_adapter(model, adapter)
+    return LoadedModel(model, tokenizer, chat, f"adapter {adapter.origin} on {base_dir}", base_dir, adapter.origin)
 
 
 def _tokenizer(tokenizer):

@@ -549,6 +549,14 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
     return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
 
 
+def _eval_tasks_are_harness_tasks(recipe, training) -> str | None:
+    if not recipe.eval_tasks:
+        return None
+    from fsdp_peft.eval_tasks import eval_tasks_problem  # lazy: the harness only for a config that names tasks
+
+    return eval_tasks_problem(recipe.eval_tasks, ranks().world_size)
+
+
 EVERY = (SFT, PREFERENCE, RL)
 
 # Every rule, with the procedures it guards, in the order its problems are reported.
@@ -589,6 +597,7 @@ RULES: dict[Callable, tuple[str, ...]] = {
     **dict.fromkeys(MOE_RULES, EVERY),
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,
+    _eval_tasks_are_harness_tasks: EVERY,
 }
 
 

@@ -30,6 +30,7 @@ LONGEST_FIRST = [
     "test_moe.py",
     "test_recipes_catalog.py",
     "test_generate_cli.py",
+    "test_eval.py",
     "test_export_guards.py",
     "test_config_fuzz.py",
     "test_families.py",

@@ -106,6 +106,7 @@ MEANINGFUL_EDGES = {  # (key, edge value) a run can use, and what it means; ever
     ("lora_target_parameters", ()): "experts frozen (and nothing to adapt on a dense model)",
     ("router_aux_loss_coef", 0): "the router's load-balancing loss off",
     ("lora_modules_to_save", ()): "no trained copies",
+    ("eval_tasks", ()): "no harness tasks after training",
     ("lora_modules_to_save", ""): "no trained copies",
     ("lora_rank_pattern", ""): "no per-module ranks",
     ("lora_alpha_pattern", ""): "no per-module alphas",

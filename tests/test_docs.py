@@ -514,6 +514,14 @@ def check(outcome: Outcome, documented: list[str]) -> None:
     elif "fsdp-peft generate" in command:  # prompts from a file or stdin: each prompt, then its completion
         shown = re.findall(r"(?m)^>>> (.*)$", outcome.stdout)
         assert shown == ["reverse: hello", "reverse: abcde"], output[-3000:]
+    elif match := re.search(r"fsdp(?:-peft|_peft\.cli) eval (\S+)", command):
+        out = re.search(r"--out (\S+)", command)
+        summary = json.loads((workspace / (out.group(1) if out else "eval_results") / "eval.json").read_text())
+        assert summary["source"] == match.group(1) and summary["base_only"] == ("--base-only" in command)
+        tasks = re.search(r"--tasks (\S+)", command).group(1)
+        expected = {"tiny_reverse_em", "tiny_reverse_ll"} if tasks == "tiny_reverse" else set(tasks.split(","))
+        assert set(summary["tasks"]) == expected and all(task["samples"] == 200 for task in summary["tasks"].values())
+        assert outcome.stdout.count("|tiny_reverse_em|") == 1, output[-3000:]  # the harness's table, printed once
     elif match := re.match(r"fsdp-peft export \S+ --out (\S+)", command):
         assert json.loads((workspace / match.group(1) / "config.json").read_text())["model_type"] == "llama"
     elif "bash configs/slurm/recipe.sbatch" in command:

@@ -28,6 +28,12 @@ ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 RULE_NAMED = {rule.__name__: rule for rule in RULES}
 CASES = {
+    "_eval_tasks_are_harness_tasks": (
+        LORA_TINY,
+        {},
+        ["--eval_tasks", "tiny_reverse_em", "/nonexistent/my_task.yaml"],
+        "eval_tasks: /nonexistent/my_task.yaml: file not found (a task YAML file)",
+    ),
     "_expert_adapters_have_no_dropout": (
         MOE_TINY,
         {},
