@@ -176,6 +176,13 @@ class RecipeArguments:
             "YAML paths, as fsdp-peft eval's --tasks); figures in results.json, files in output_dir/eval"
         },
     )
+    eval_tasks_steps: int = field(
+        default=0,
+        metadata={
+            "help": "also run eval_tasks every N optimizer steps during training (figures logged as "
+            "harness/<task>/<metric>, files in output_dir/eval/step-N); 0: at the end only"
+        },
+    )
     beta: float | None = field(
         default=None,
         metadata={

@@ -1,9 +1,10 @@
 """How every procedure ends (SFT, preference): one function, the same steps in the same order.
 
 save the adapter (collective) → trainer state → the procedure's held-out measurements (collective: FSDP
-forwards run on every rank) → merged export (rank 0) → barrier → rank 0 writes ``results.json``, draws the loss
-curve and prints the summary. A procedure supplies only its measurements; its summary lines are rendered
-here (`SUMMARY_DETAILS`), so one `summary` prints any run's ``results.json``.
+forwards run on every rank) → the recipe's ``eval_tasks`` (collective: the harness on every rank's shard) →
+merged export (rank 0) → barrier → rank 0 writes ``results.json``, draws the loss curve and prints the summary.
+A procedure supplies only its measurements; its summary lines are rendered here (`SUMMARY_DETAILS`), so one
+`summary` prints any run's ``results.json``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fsdp_peft.config import PREFERENCE, RL, SFT
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.run_files import LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
+from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 
 PREFIX = "[fsdp-peft] "
 
@@ -40,14 +41,7 @@ def end_run(
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()
     measured = measure(output_dir)
-    harness = None
-    if recipe.eval_tasks:  # collective: the harness's requests run on every rank's shard
-        from fsdp_peft.evaluation import evaluate_after_training  # lazy: the harness only for a run that names tasks
-
-        tokenizer = trainer.processing_class
-        harness = evaluate_after_training(
-            trainer.model, tokenizer, recipe, adapter_dir, output_dir, trainer.args.device
-        )
+    harness = harness_at_the_end(trainer, adapter_dir, output_dir) if recipe.eval_tasks else None
     merged_dir = output_dir / "merged"
     if recipe.export_merged and trainer.is_world_process_zero():
         base = resolve_model_path(recipe.model_name_or_path)
@@ -71,6 +65,7 @@ def end_run(
         "loss_curve": plot_loss_curve(log_history, output_dir / LOSS_CURVE_FILE),
         "eval_tasks": harness["tasks"] if harness else None,
         "eval_tasks_results": harness["results_file"] if harness else None,
+        "eval_tasks_during": harness_history(log_history),
     }
     (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1))
     for line in summary(results, output_dir).splitlines():
@@ -101,16 +96,56 @@ def summary(results: dict, output_dir: Path) -> str:
     return "\n".join(PREFIX + line for line in lines)
 
 
+def harness_at_the_end(trainer, adapter_dir: Path, output_dir: Path) -> dict | None:
+    """The run's ``eval_tasks`` on the trained model (collective: every rank scores its share on its shard), or the
+    evaluation ``eval_tasks_steps`` made of these same weights at the last step; rank 0's ``eval.json`` content."""
+    during = trainer.harness_during_training
+    if during is not None and during.latest is not None and during.latest[0] == trainer.state.global_step:
+        logger.info(f"harness tasks on the trained model: as evaluated at step {during.latest[0]} (the same weights)")
+        return during.latest[1]
+    from fsdp_peft.evaluation import evaluate_trained_model  # lazy: the harness only for a run that names tasks
+
+    return evaluate_trained_model(
+        trainer.model,
+        trainer.processing_class,
+        trainer.recipe_config,
+        output_dir / HARNESS_DIR,
+        str(adapter_dir),
+        trainer.args.device,
+    )
+
+
+def harness_history(log_history: list[dict]) -> list[dict]:
+    """The figures ``eval_tasks_steps`` logged during training, by step: ``[{"step": N, "<task>": {metric:
+    value}}, ...]`` (a resumed run's earlier ones included: they are in the trainer state it resumed)."""
+    history = []
+    for entry in log_history:
+        figures: dict[str, dict] = {}
+        for key, value in entry.items():
+            if key.startswith(HARNESS_LOG_PREFIX):
+                task, metric = key.removeprefix(HARNESS_LOG_PREFIX).split("/", 1)
+                figures.setdefault(task, {})[metric] = value
+        if figures:
+            history.append({"step": entry["step"], **figures})
+    return history
+
+
 def harness_lines(results: dict) -> list[str]:
     """The lines of the harness tasks a run named in ``eval_tasks``: each task's figures, then the files."""
     if not results.get("eval_tasks"):
         return []
     lines = []
+    for entry in results.get("eval_tasks_during") or []:
+        shown = "; ".join(f"{task} {_figures(figures)}" for task, figures in entry.items() if task != "step")
+        lines.append(f"harness at step {entry['step']}: {shown}")
     for name, figures in results["eval_tasks"].items():
-        shown = ", ".join(f"{metric} {value:.4g}" for metric, value in figures.items() if metric != "samples")
-        lines.append(f"harness {name} on {figures['samples']} documents: {shown}")
+        lines.append(f"harness {name} on {figures['samples']} documents: {_figures(figures)}")
     lines.append(f"harness results: {results['eval_tasks_results']}")
     return lines
+
+
+def _figures(figures: dict) -> str:
+    return ", ".join(f"{metric} {value:.4g}" for metric, value in figures.items() if metric != "samples")
 
 
 def sft_details(results: dict, output_dir: Path) -> list[str]:

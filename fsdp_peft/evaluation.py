@@ -4,7 +4,7 @@ check the tasks (`fsdp_peft.eval_tasks`: names, data, documents per rank; before
 load SOURCE as ``fsdp-peft generate`` does (`fsdp_peft.inference.load_for_generation`) → FSDP2-shard it over the
 launched ranks → the harness's evaluator → on rank 0: the harness's own files (``EvaluationTracker``), its table,
 ``eval.json``. A recipe naming ``eval_tasks`` runs the same evaluation on its trained model
-(`evaluate_after_training`, from `fsdp_peft.ending`).
+(`evaluate_trained_model`, from `fsdp_peft.ending`), and every ``eval_tasks_steps`` steps (`HarnessDuringTraining`).
 
 `HarnessLM` is the model as the harness sees it, the same class in one process and on several ranks. The
 evaluator gives each rank every ``world_size``-th document and pads the ranks to equal request counts; it reaches
@@ -20,12 +20,16 @@ model's dtype. Generation is `fsdp_peft.generation`'s, so a task's greedy comple
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
+import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lm_eval import simple_evaluate
@@ -33,6 +37,7 @@ from lm_eval.api.model import LM
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+from transformers import TrainerCallback
 
 from fsdp_peft.distributed import gathered_from_every_rank, ranks, release_process_group, start_process_group
 from fsdp_peft.errors import ConfigError
@@ -49,9 +54,9 @@ from fsdp_peft.generation import (
 from fsdp_peft.inference import load_for_generation
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import local_device
+from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX
 
 EVAL_FILE = "eval.json"
-EVAL_DIR = "eval"  # where a run's harness files go, in its output_dir
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default, for a generate_until task that sets none
 
 
@@ -303,22 +308,79 @@ def _metrics(task_results: dict) -> dict:
     return {key: value for key, value in task_results.items() if "," in key and "_stderr," not in key}
 
 
-def evaluate_after_training(
-    model, tokenizer, recipe, adapter_dir: Path, output_dir: Path, device: torch.device
+def evaluate_trained_model(
+    model, tokenizer, recipe: dict, out: Path, source: str, device: torch.device, step: int | None = None
 ) -> dict | None:
-    """The recipe's ``eval_tasks`` on the trained model as the trainer holds it (sharded; every rank calls this):
-    the harness's files and ``eval.json`` in ``output_dir/eval``; on rank 0 ``eval.json``'s content."""
+    """A recipe's ``eval_tasks`` on its model as the trainer holds it (sharded; every rank calls this): the harness's
+    files and ``eval.json`` in ``out``; on rank 0 ``eval.json``'s content (``None`` elsewhere).
+
+    ``recipe`` is the recipe's config (the trainer's ``recipe_config``); ``source`` names the adapter in the
+    harness's files (the saved adapter at the end, the output_dir at a step); ``step`` says when, during training.
+    """
     _, world = group_ranks()
-    tasks = load_tasks(list(recipe.eval_tasks), [], None, world, key=EVAL_TASKS_KEY)
-    logger.info(f"harness tasks on the trained model: {', '.join(tasks.tasks)}")
-    lm = HarnessLM(model, tokenizer, device, recipe.generate_batch_size, recipe.generate_gather_budget)
-    model_args = {"pretrained": str(recipe.model_name_or_path), "peft": str(adapter_dir)}
-    about = {
-        "source": str(adapter_dir),
-        "model": f"the trained model ({recipe.model_name_or_path} + adapter), as the trainer holds it",
-        "base_only": False,
+    tasks = load_tasks(list(recipe["eval_tasks"]), [], None, world, key=EVAL_TASKS_KEY)
+    when = f"at step {step}" if step is not None else "on the trained model"
+    logger.info(f"harness tasks {when}: {', '.join(tasks.tasks)}")
+    lm = HarnessLM(model, tokenizer, device, recipe["generate_batch_size"], recipe["generate_gather_budget"])
+    model_args = {"pretrained": str(recipe["model_name_or_path"]), "peft": source}
+    held = "as the trainer holds it" if step is None else f"as the trainer holds it at step {step}"
+    about = {"source": source, "model": f"{recipe['model_name_or_path']} + adapter, {held}", "base_only": False}
+    about["step"] = step
+    with random_states_kept(device):
+        return evaluate_tasks(lm, tasks, out, model_args, recipe["use_chat_template"], about=about)
+
+
+@contextlib.contextmanager
+def random_states_kept(device: torch.device) -> Iterator[None]:
+    """Python's, numpy's and torch's generators as they were before the block: the harness seeds all three for its
+    own reproducibility (1234), which would otherwise change every draw training makes after an evaluation."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    gpus = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=gpus):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+class HarnessDuringTraining(TrainerCallback):
+    """``eval_tasks`` every ``eval_tasks_steps`` optimizer steps, on the model as the trainer holds it (sharded,
+    every rank taking its documents): figures logged through the trainer (console, ``report_to``,
+    ``trainer_state.json``) as ``harness/<task>/<metric>``; the harness's files in ``output_dir/eval/step-N``.
+
+    The evaluation of the last step is kept (`latest`): the run's end reports it rather than evaluating the same
+    weights again.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.every = trainer.recipe_config["eval_tasks_steps"]
+        self.latest: tuple[int, dict | None] | None = None  # (step, rank 0's eval.json content)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step % self.every:
+            return
+        out = Path(args.output_dir) / HARNESS_DIR / f"step-{step}"
+        trainer = self.trainer
+        summary = evaluate_trained_model(
+            trainer.model, trainer.processing_class, trainer.recipe_config, out, args.output_dir, args.device, step
+        )
+        figures = gathered_from_every_rank(summary["tasks"] if summary is not None else None)[0]  # rank 0's, everywhere
+        trainer.log(harness_log_entry(figures))
+        self.latest = (step, summary)
+
+
+def harness_log_entry(figures: dict) -> dict[str, float]:
+    """A harness evaluation's figures as the trainer logs them: ``harness/<task>/<metric>`` (``metric`` keyed as
+    the harness keys it, ``metric,filter``), the document counts left out."""
+    return {
+        f"{HARNESS_LOG_PREFIX}{task}/{metric}": value
+        for task, values in figures.items()
+        for metric, value in values.items()
+        if metric != "samples"
     }
-    return evaluate_tasks(lm, tasks, output_dir / EVAL_DIR, model_args, recipe.use_chat_template, about=about)
 
 
 def run_eval(args) -> None:

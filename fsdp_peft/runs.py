@@ -49,7 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
-from fsdp_peft.run_files import EVAL_SAMPLES_FILE, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
+from fsdp_peft.run_files import EVAL_SAMPLES_FILE, HARNESS_DIR, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 
 RUN_FILE = "fsdp_peft_run.json"
 EVA_INIT_FILE = "eva_init.safetensors"  # init_lora_weights: eva's initial lora_A rows (fsdp_peft.eva)
@@ -64,6 +64,7 @@ RUN_OUTPUTS = (  # what a run leaves besides its checkpoints
     "trainer_state.json",
     SAMPLES_FILE,
     EVAL_SAMPLES_FILE,
+    HARNESS_DIR,
     LOSS_CURVE_FILE,
     "fsdp_layout.json",
     "memory.json",
@@ -99,6 +100,8 @@ NOT_IDENTITY = {  # keys that do not change what a run trains: they may differ w
     "generate_batch_size",
     "generate_gather_budget",
     "generate_eval_samples",
+    "eval_tasks",
+    "eval_tasks_steps",
     "export_merged",
     "export_dtype",
     "run_name",

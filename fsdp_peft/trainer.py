@@ -75,6 +75,12 @@ class PeftFsdpMixin:
         begins = [RunBegins(run)] if run is not None else []
         callbacks = [*begins, *(callbacks or []), MemoryReport(), FsdpLayoutReport()]
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.harness_during_training = None
+        if self.recipe_config.get("eval_tasks_steps"):
+            from fsdp_peft.evaluation import HarnessDuringTraining  # lazy: the harness only for a run that names tasks
+
+            self.harness_during_training = HarnessDuringTraining(self)
+            self.add_callback(self.harness_during_training)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if loss_chunk_tokens and (reason := chunked_loss_unavailable(causal_lm_of(self.model), self.args)):

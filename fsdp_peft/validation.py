@@ -551,6 +551,11 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
 
 def _eval_tasks_are_harness_tasks(recipe, training) -> str | None:
     if not recipe.eval_tasks:
+        if recipe.eval_tasks_steps:
+            return (
+                f"eval_tasks_steps: {recipe.eval_tasks_steps} but eval_tasks names no task; name the harness tasks "
+                "to run (eval_tasks: [tiny_reverse]) or set eval_tasks_steps: 0"
+            )
         return None
     from fsdp_peft.eval_tasks import eval_tasks_problem  # lazy: the harness only for a config that names tasks
 
