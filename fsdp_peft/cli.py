@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fsdp_peft.catalog import copy_shipped, shipped
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
+from fsdp_peft.validation_modes import hub_data_out_of_reach_noted
 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
@@ -80,7 +81,7 @@ def _validate(args: argparse.Namespace) -> None:
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
-    with _environment(launcher):
+    with _environment(launcher), hub_data_out_of_reach_noted():
         procedure = procedure_of_config(args.config)  # a DPO/KTO or GRPO config by its keys, else SFT
         check_before_training(with_procedure_defaults(recipe, procedure), training_values, True, procedure)
     with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):

@@ -373,6 +373,8 @@ def resolve_recipe_config(
     for key in LIST_KEYS:
         if isinstance(parsed.get(key), str):
             parsed[key] = [parsed[key]]  # `lora_target_modules: all-linear` means a one-item list
+        if parsed.get(key) == [""]:
+            parsed[key] = []  # `--eval_tasks ""` on the command line: none (a YAML list key set to [])
     recipe_fields = {f.name for f in dataclasses.fields(RecipeArguments)}
     recipe_args = RecipeArguments(**{k: v for k, v in parsed.items() if k in recipe_fields})
     training_values = {k: v for k, v in parsed.items() if k not in recipe_fields}

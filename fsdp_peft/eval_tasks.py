@@ -15,6 +15,7 @@ loaded (`fsdp_peft.evaluation` runs them); it needs no model, so `fsdp_peft.vali
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.log import logger
 from fsdp_peft.tiny import ASSETS, TINY_DATASET_DIR
+from fsdp_peft.validation_modes import out_of_reach_noted
 
 EVAL_TASKS_DIR = ASSETS / "eval_tasks"
 SHIPPED_TASKS = ("tiny_reverse_em", "tiny_reverse_ll")  # and the tag over both, ``tiny_reverse``
@@ -77,19 +80,21 @@ def load_tasks(
         raise ConfigError(f"--limit: must be 1 or more documents per task, got {limit}")
     include = [EVAL_TASKS_DIR, *(_include_dir(Path(path)) for path in include_paths)]
     quiet_harness_logging()
-    manager = TaskManager(include_path=[str(path) for path in include], include_defaults=False)
+    manager = _task_manager(tuple(include), with_harness_tasks=False)
     for spec in specs:
         if not spec.strip():
             raise ConfigError(f"{key}: an empty task name; name a harness task, group or tag, or a task YAML file")
         if _is_yaml_path(spec) and not Path(spec).is_file():
             raise ConfigError(f"{key}: {spec}: file not found (a task YAML file)")
     if any(not _known(manager, spec) for spec in specs):  # the harness's own ~15k tasks: indexed only when needed
-        manager = TaskManager(include_path=[str(path) for path in include], include_defaults=True)
+        manager = _task_manager(tuple(include), with_harness_tasks=True)
     items, tasks = [], {}
     for spec in specs:
         if not _known(manager, spec):
             raise ConfigError(_unknown_task(manager, spec, include, key))
         loaded = _load_one(manager, spec, key)
+        if loaded is None:  # its hub data out of reach here, under `hub_data_out_of_reach_noted`
+            continue
         children = {child for names in loaded.get("group_map", {}).values() for child in names}
         items += [group for name, group in loaded.get("groups", {}).items() if name not in children]
         items += [task for name, task in loaded["tasks"].items() if name not in children]
@@ -97,6 +102,20 @@ def load_tasks(
     for name, task in tasks.items():
         _check_task(name, task, limit, world_size, key)
     return HarnessTasks(manager, items, tasks)
+
+
+def _task_manager(include: tuple[Path, ...], with_harness_tasks: bool) -> TaskManager:
+    """The harness's index of the task YAMLs in ``include`` (and of its own ~15k tasks: about 9 s). The index of
+    package directories alone (the shipped tasks, the harness's) is built once per process: a user's directories
+    are read again at every call, as they may have changed."""
+    if include == (EVAL_TASKS_DIR,):
+        return _package_task_manager(with_harness_tasks)
+    return TaskManager(include_path=[str(path) for path in include], include_defaults=with_harness_tasks)
+
+
+@functools.cache
+def _package_task_manager(with_harness_tasks: bool) -> TaskManager:
+    return TaskManager(include_path=[str(EVAL_TASKS_DIR)], include_defaults=with_harness_tasks)
 
 
 def _include_dir(path: Path) -> Path:
@@ -138,8 +157,9 @@ def _unknown_task(manager: TaskManager, spec: str, include: list[Path], key: str
     )
 
 
-def _load_one(manager: TaskManager, spec: str, key: str) -> dict:
-    """``manager.load([spec])``; a task whose data does not load (no network, a missing file) is a `ConfigError`."""
+def _load_one(manager: TaskManager, spec: str, key: str) -> dict | None:
+    """``manager.load([spec])``; a task whose data does not load (no network, a missing file) is a `ConfigError`,
+    except data on the hub out of reach under `hub_data_out_of_reach_noted` (a warning, and ``None``)."""
     try:
         return manager.load([spec])
     except ConfigError:
@@ -148,11 +168,27 @@ def _load_one(manager: TaskManager, spec: str, key: str) -> dict:
         entry = manager.task_index.get(spec)
         dataset = (entry.cfg or {}).get("dataset_path") if entry else None
         what = f"its dataset {dataset}" if dataset else "its data"
+        if out_of_reach_noted() and _out_of_reach(error):
+            logger.warning(
+                f"{key}: {spec}: {what} is out of reach from here ({type(error).__name__}: {_first_line(error)}); "
+                "not checked: a launch loads it before any weights, and stops there if it cannot"
+            )
+            return None
         raise ConfigError(
             f"{key}: {spec}: {what} could not be loaded ({type(error).__name__}: {_first_line(error)}); "
             "without network, give the task local data (custom_dataset, or dataset_kwargs.data_files with an "
             "absolute path) or fill the Hugging Face cache first (HF_DATASETS_OFFLINE=1 then reads it)"
         ) from None
+
+
+def _out_of_reach(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) is a failed connection or offline mode: ``ConnectionError``,
+    which the datasets library raises for both and huggingface_hub's ``OfflineModeIsEnabled`` subclasses."""
+    while error is not None:
+        if isinstance(error, ConnectionError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _first_line(error: BaseException) -> str:

@@ -37,7 +37,7 @@ from lm_eval.api.model import LM
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from fsdp_peft.distributed import gathered_from_every_rank, ranks, release_process_group, start_process_group
 from fsdp_peft.errors import ConfigError
@@ -368,7 +368,9 @@ class HarnessDuringTraining(TrainerCallback):
             trainer.model, trainer.processing_class, trainer.recipe_config, out, args.output_dir, args.device, step
         )
         figures = gathered_from_every_rank(summary["tasks"] if summary is not None else None)[0]  # rank 0's, everywhere
-        trainer.log(harness_log_entry(figures))
+        should_log = control.should_log  # Trainer.log clears it: the step's own log (its loss) must still follow
+        Trainer.log(trainer, harness_log_entry(figures))  # not TRL's log, which folds its stored metrics in and
+        control.should_log = should_log  # clears them
         self.latest = (step, summary)
 
 

@@ -510,7 +510,8 @@ def _trl_recipes_run_without_eva(recipe, training) -> str | None:
 
 
 def _xla_route_can_run(recipe, training) -> str | None:
-    """On XLA (``PJRT_DEVICE`` set): LoRA only, the XLA FSDP keys only (no accelerate FSDP), torch_xla installed."""
+    """On XLA (``PJRT_DEVICE`` set): LoRA only, no EVA, no harness tasks, the XLA FSDP keys only (no accelerate
+    FSDP), torch_xla installed."""
     if not on_xla():
         return None
     device = f"PJRT_DEVICE={os.environ[DEVICE_VARIABLE]}"
@@ -521,6 +522,11 @@ def _xla_route_can_run(recipe, training) -> str | None:
         )
     if recipe.init_lora_weights == "eva":  # fsdp_peft.eva: its pass is many small SVDs between forwards
         return f"init_lora_weights: eva on XLA ({device}): its data pass is built for CPUs and GPUs; use another init"
+    if recipe.eval_tasks or recipe.eval_tasks_steps:  # fsdp_peft.evaluation: built and tested on CPUs and GPUs
+        return (
+            f'eval_tasks: the harness does not run on XLA ({device}) yet; train without it (--eval_tasks "" '
+            "--eval_tasks_steps 0) and evaluate the exported model with fsdp-peft eval on GPUs or CPUs (docs/eval.md)"
+        )
     on, options = _fsdp_options(training.get("fsdp"))
     gpu_only = [o for o in options if o == "offload"] + (
         gpu_only_fsdp_keys(_read_fsdp_config(training.get("fsdp_config"))) if on else []
@@ -551,7 +557,7 @@ def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
 
 def _eval_tasks_are_harness_tasks(recipe, training) -> str | None:
     if not recipe.eval_tasks:
-        if recipe.eval_tasks_steps:
+        if recipe.eval_tasks_steps > 0:  # below 0: the key's range says so
             return (
                 f"eval_tasks_steps: {recipe.eval_tasks_steps} but eval_tasks names no task; name the harness tasks "
                 "to run (eval_tasks: [tiny_reverse]) or set eval_tasks_steps: 0"

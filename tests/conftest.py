@@ -141,10 +141,15 @@ def script_launch_command(
     return [sys.executable, *launcher, *ranks, str(script), *arguments]
 
 
+def torchrun_command(*arguments: str, processes: int = 2) -> list[str]:
+    """``torchrun --nproc_per_node 2 --master_port <free> ARGUMENTS`` (a script or ``-m module``, then its own)."""
+    ranks = ["--nproc_per_node", str(processes), "--master_port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", *ranks, *arguments]
+
+
 def recipe_torchrun_command(recipe: str, *overrides: str, processes: int = 2) -> list[str]:
     """``torchrun --nproc_per_node 2 recipes/<recipe>.py ...`` (no accelerate config)."""
-    ranks = ["--nproc_per_node", str(processes), "--master_port", str(free_port())]
-    return [sys.executable, "-m", "torch.distributed.run", *ranks, str(REPO / "recipes" / f"{recipe}.py"), *overrides]
+    return torchrun_command(str(REPO / "recipes" / f"{recipe}.py"), *overrides, processes=processes)
 
 
 def launch_recipe(
@@ -179,18 +184,7 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
 
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(processes),
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *args,
-    ]
-    result = run_command(command)
+    result = run_command(torchrun_command(str(script), *args, processes=processes))
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 

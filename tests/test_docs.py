@@ -307,6 +307,10 @@ INSTEAD: dict[str, Run] = {
         "python benchmarks/variants.py --variants embedding_lora --methods qlora --versions 1",
         why="25 minutes: one variant the suite's combined runs leave out (QLoRA, embedding LoRA, FSDP1)",
     ),
+    "python benchmarks/eval_speed.py": Run(
+        "python benchmarks/eval_speed.py --steps 2 --repeats 1 --results eval_speed.json",
+        why="5 minutes: a 2-step adapter, each evaluation once, timed and compared the same way",
+    ),
     "python benchmarks/exit_stress.py --repeat 6": Run(
         "python benchmarks/exit_stress.py --only remote_code --repeat 1 --results exit_stress.json",
         why="50 minutes: one configuration (2 ranks, a model with remote code) once, counted the same way",
@@ -444,6 +448,7 @@ class Workspaces:
 
 def _fsdp_peft_here(argv: list[str], workspace: Path, hub: Path) -> tuple[int, str, str]:
     """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.cli.main`, with the offline hub cache ``hub``."""
+    import datasets.config
     from huggingface_hub import constants
 
     from fsdp_peft.cli import main
@@ -451,6 +456,7 @@ def _fsdp_peft_here(argv: list[str], workspace: Path, hub: Path) -> tuple[int, s
     stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     with (
         mock.patch.object(constants, "HF_HUB_OFFLINE", True),
+        mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True),  # a harness task's hub data: refused at once
         mock.patch.object(constants, "HF_HUB_CACHE", str(hub)),
         redirect_stdout(stdout),
         redirect_stderr(stderr),
@@ -535,6 +541,9 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             assert sizes in outcome.stdout, outcome.stdout
     elif "benchmarks/gpu_check.sh" in command:
         assert "[gpu_check] results: " in output
+    elif "benchmarks/eval_speed.py" in command:
+        assert "same figures in every run (perplexity within 1e-5): True" in output
+        assert "sharded / one process: median " in output
     elif "benchmarks/activations.py" in command:
         assert "planner within 10% of the saved bytes in all 4 cases: True" in output
     elif "benchmarks/variants.py" in command:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, launch_recipe, read_json, run_command
+from conftest import launch_recipe, read_json, run_command, torchrun_command
 from fsdp_peft.cli import main
 from fsdp_peft.data import render_prompt
 from fsdp_peft.evaluation import EVAL_FILE
@@ -161,17 +161,8 @@ def merged_eval(trained, tmp_path_factory):
 def sharded_eval(trained, tmp_path_factory):
     """The sharded checkpoint evaluated on 2 gloo ranks under torchrun, the model FSDP2-sharded over them."""
     out = tmp_path_factory.mktemp("sharded_eval")
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
     result = run_command(
-        [*launcher, *CLI[1:], str(trained / f"checkpoint-{STEPS}"), "--tasks", "tiny_reverse", "--out", str(out)]
+        torchrun_command(*CLI[1:], str(trained / f"checkpoint-{STEPS}"), "--tasks", "tiny_reverse", "--out", str(out))
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return read_json(out / EVAL_FILE), result
@@ -381,3 +372,84 @@ def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path
     code, stdout, stderr = evaluate_here(str(tmp_path / "source"), *arguments, "--out", str(tmp_path / "out"))
     assert code == 2 and stdout == "", stderr[-3000:]
     assert stderr.startswith(f"error: {message}") and stderr.count("\n") == 1, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_bad_input_under_torchrun_is_refused_in_one_line_before_any_process_group(tmp_path):
+    """As users launch a sharded evaluation: the first rank to find the problem prints one line and exits 2;
+    the launcher then stops the other rank and prints its own report of the failed ranks."""
+    command = torchrun_command(*CLI[1:], str(tmp_path), "--tasks", "tiny_revers_em", "--out", str(tmp_path / "out"))
+    result = run_command(command, timeout=180)
+    assert result.returncode != 0
+    ours, _, launcher_report = result.stderr.partition("Traceback (most recent call last)")
+    errors = [line for line in ours.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {REFUSALS['unknown task'][1]}; --include-path directories: none"], result.stderr[-3000:]
+    assert "exitcode  : 2" in launcher_report and "fsdp_peft/" not in launcher_report
+    assert "Loading weights" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
+
+
+QLORA_STEPS, QLORA_EVERY = 150, 75
+
+
+@pytest.fixture(scope="module")
+def qlora_during_training(tmp_path_factory) -> tuple[Path, str]:
+    """QLoRA on 2 ranks with the harness every 75 steps: the 4-bit model, sharded, evaluated mid-run and at the end
+    (150 steps at a constant rate: exact match about 0.6, neither 0 nor 1)."""
+    out = tmp_path_factory.mktemp("qlora_during") / "run"
+    result = launch_recipe(
+        "llama_qlora",
+        *("--output_dir", str(out), "--max_steps", str(QLORA_STEPS), "--warmup_steps", "0"),
+        *("--lr_scheduler_type", "constant", "--save_strategy", "no"),
+        *("--eval_tasks", "tiny_reverse_em", "--eval_tasks_steps", str(QLORA_EVERY)),
+    )
+    return out, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_eval_tasks_steps_evaluate_the_sharded_qlora_model_during_training(qlora_during_training):
+    out, printed = qlora_during_training
+    results = read_json(out / "results.json")
+    during = results["eval_tasks_during"]
+    assert [entry["step"] for entry in during] == [QLORA_EVERY, QLORA_STEPS]
+    key = "harness/tiny_reverse_em/exact_match,strip"  # as the trainer logged it (console, report_to, trainer state)
+    logged = {e["step"]: e[key] for e in read_json(out / "trainer_state.json")["log_history"] if key in e}
+    assert logged == {entry["step"]: entry["tiny_reverse_em"]["exact_match,strip"] for entry in during}
+    mid = read_json(out / "eval" / f"step-{QLORA_EVERY}" / EVAL_FILE)
+    assert (mid["step"], mid["world_size"], mid["tasks"]["tiny_reverse_em"]["samples"]) == (QLORA_EVERY, 2, 200)
+    # the end reports the last step's evaluation (the same weights), which the recipe's own figure confirms
+    final = results["eval_tasks"]["tiny_reverse_em"]
+    assert final == {"samples": 200, **during[-1]["tiny_reverse_em"]}
+    hits = round(final["exact_match,strip"] * 200)
+    assert hits == round(results["exact_match_after"] * results["generated_samples"]) > 0
+    print(f"QLoRA exact match: step {QLORA_EVERY} {during[0]['tiny_reverse_em']}, end {hits}/200 (recipe's too)")
+    assert f"harness tasks on the trained model: as evaluated at step {QLORA_STEPS} (the same weights)" in printed
+    assert f"[fsdp-peft] harness at step {QLORA_EVERY}: tiny_reverse_em exact_match,strip " in printed
+
+
+def test_eval_tasks_steps_without_tasks_is_refused(tmp_path):
+    from fsdp_peft.catalog import CONFIGS
+    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.recipe import parse_recipe_config
+
+    config = CONFIGS / "llama_lora" / "tiny.yaml"
+    with pytest.raises(ConfigError) as refused:
+        parse_recipe_config(["--config", str(config), "--eval_tasks_steps", "10"], config, str(tmp_path))
+    assert str(refused.value) == (
+        "eval_tasks_steps: 10 but eval_tasks names no task; name the harness tasks to run (eval_tasks: "
+        "[tiny_reverse]) or set eval_tasks_steps: 0"
+    )
+
+
+def test_eval_tasks_on_the_tpu_route_are_refused_in_one_line(tmp_path, monkeypatch):
+    from fsdp_peft.catalog import CONFIGS
+    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.recipe import parse_recipe_config
+
+    config = CONFIGS / "llama_lora" / "tiny.yaml"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    with pytest.raises(ConfigError) as refused:
+        parse_recipe_config(["--config", str(config), "--eval_tasks", "tiny_reverse_em"], config, str(tmp_path))
+    assert str(refused.value) == (
+        'eval_tasks: the harness does not run on XLA (PJRT_DEVICE=CPU) yet; train without it (--eval_tasks "" '
+        "--eval_tasks_steps 0) and evaluate the exported model with fsdp-peft eval on GPUs or CPUs (docs/eval.md)"
+    )

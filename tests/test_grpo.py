@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,12 +142,15 @@ def test_qlora_grpo_on_two_ranks_equals_one_unsharded_process(tmp_path_factory, 
 
 @pytest.fixture(scope="module")
 def sampled_runs(tmp_path_factory, sft_start):
-    """Real sampling on 2 ranks: the recipe (checkpoint at step 2), TRL's own per-layer generation path
-    (``generate_gather_budget: none``) on the same run, and a resume from the checkpoint."""
+    """Real sampling on 2 ranks: the recipe (checkpoint at step 2, harness tasks every 2 steps), TRL's own
+    per-layer generation path (``generate_gather_budget: none``) on the same run, and a resume from the checkpoint."""
     common = [*COMMON, "--adapter_name_or_path", str(sft_start), "--per_device_train_batch_size", "16", *SAMPLED]
     common[common.index("--max_steps") + 1] = "4"
     gathered, stock = tmp_path_factory.mktemp("gathered"), tmp_path_factory.mktemp("stock")
-    launch_recipe("llama_grpo", "--output_dir", str(gathered), *common, "--save_strategy", "steps", "--save_steps", "2")
+    harness = ["--eval_tasks", "tiny_reverse_em", "--eval_tasks_steps", "2"]
+    launch_recipe(
+        "llama_grpo", "--output_dir", str(gathered), *common, "--save_strategy", "steps", "--save_steps", "2", *harness
+    )
     launch_recipe("llama_grpo", "--output_dir", str(stock), *common, "--generate_gather_budget", "none")
     resumed = tmp_path_factory.mktemp("resumed")
     shutil.copytree(gathered / "checkpoint-2", resumed / "checkpoint-2")
@@ -163,11 +167,22 @@ def _metrics(entry: dict) -> dict:
 @pytest.mark.slow
 def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs):
     """Same seed, same generator state: the recipe's rollouts (units gathered once per call) and TRL's (a gather
-    per layer per token) give the same completions, hence the same rewards, losses and everything logged."""
+    per layer per token) give the same completions, hence the same rewards, losses and everything logged. The
+    recipe's run also evaluated harness tasks after step 2 (the harness seeds every generator): steps 3 and 4 still
+    sample what the run without it samples."""
     got, want = _logged(sampled_runs["gathered"]), _logged(sampled_runs["stock"])
     assert sorted(got) == [1, 2, 3, 4]
     assert {s: _metrics(e) for s, e in got.items()} == {s: _metrics(e) for s, e in want.items()}
     assert len({e["reward"] for e in got.values()}) > 1  # the policy moved: rewards are not one constant
+
+
+@pytest.mark.slow
+def test_harness_tasks_every_two_steps_of_grpo_and_at_the_end(sampled_runs):
+    results = read_json(sampled_runs["gathered"] / "results.json")
+    during = results["eval_tasks_during"]
+    assert [entry["step"] for entry in during] == [2, 4] and set(during[0]) == {"step", "tiny_reverse_em"}
+    assert results["eval_tasks"]["tiny_reverse_em"] == {"samples": 200, **during[1]["tiny_reverse_em"]}  # step 4's
+    assert (sampled_runs["gathered"] / "eval" / "step-2" / "eval.json").is_file()
 
 
 @pytest.mark.slow
@@ -301,9 +316,12 @@ def test_the_gsm8k_config_trains_two_steps_with_the_tiny_qwen_on_gsm8k_shaped_ro
         "no",
         "--logging_steps",
         "1",
+        "--eval_tasks",
+        "tiny_reverse_em",  # the config's gsm8k is on the hub: the shipped task stands in, at the end of GRPO
     )
     results = read_json(out / "results.json")
     assert results["steps"] == 2 and list(results["held_out_after"]["rewards"]) == ["math_answer", "math_format"]
+    assert results["eval_tasks"]["tiny_reverse_em"]["samples"] == 200 and Path(results["eval_tasks_results"]).is_file()
     logged = _logged(out)
     assert sorted(logged) == [1, 2] and "rewards/math_answer/mean" in logged[1]
     layout = read_json(out / "fsdp_layout.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,10 +150,11 @@ def test_a_hub_preference_dataset_is_read_by_its_name_and_splits(monkeypatch, to
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """The 2-rank FSDP2 run (checkpoint at 3), one process with the same global batch, a resume from step 3
-    with precomputed reference log-probs, and SFT's first step on the same model and adapter."""
+    """The 2-rank FSDP2 run (checkpoint at 3, harness tasks at the end), one process with the same global batch, a
+    resume from step 3 with precomputed reference log-probs, and SFT's first step on the same model and adapter."""
     two = tmp_path_factory.mktemp("dpo_two_ranks")
-    launch_recipe("llama_dpo", "--output_dir", str(two), *COMMON, "--save_strategy", "steps", "--save_steps", "3")
+    checkpoint = ["--save_strategy", "steps", "--save_steps", "3"]
+    launch_recipe("llama_dpo", "--output_dir", str(two), *COMMON, *checkpoint, "--eval_tasks", "tiny_reverse_em")
     one = tmp_path_factory.mktemp("dpo_one_process")
     launch_recipe("llama_dpo", "--output_dir", str(one), *COMMON, "--per_device_train_batch_size", "32", processes=1)
     resumed = tmp_path_factory.mktemp("dpo_resumed")
@@ -317,6 +319,9 @@ def test_results_report_preference_before_and_after(runs):
     assert before["reward_accuracy"] == 0.5 and before["margin"] == 0.0 and before["pairs"] == 8
     assert after["pairs"] == 8 and after["logp_chosen"] != before["logp_chosen"]
     assert results["generation_before"]["prompts"] == results["generation_after"]["prompts"] == 8
+    harness = results["eval_tasks"]["tiny_reverse_em"]  # lm-eval on the DPO-trained model, sharded, at the end
+    assert harness["samples"] == 200 and 0 <= harness["exact_match,strip"] <= 1
+    assert Path(results["eval_tasks_results"]).is_file()
 
 
 @pytest.mark.slow

@@ -60,15 +60,48 @@ def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_pa
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe
 
 
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """No network, as on a login node (and here): the hub's data refused at once rather than after retries."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def _eval_tasks(config: Path) -> list[str]:
+    return read_yaml_config(config).get("eval_tasks") or []
+
+
 @pytest.mark.parametrize("config", RECIPE_CONFIGS, ids=_name)
-def test_shipped_config_validates_and_opens_with_its_header(config, capsys):
+def test_shipped_config_validates_and_opens_with_its_header(config, capsys, offline_hub):
     cli.main(["validate", str(config)])
-    assert capsys.readouterr().out.strip() == f"{config}: ok"
+    printed = capsys.readouterr()
+    assert printed.out.strip() == f"{config}: ok"
+    for task in _eval_tasks(config):  # hub data out of reach here: noted, not refused (a launch refuses it)
+        assert f"eval_tasks: {task}: " in printed.err and "is out of reach from here" in printed.err
     header = config.read_text().split("\n\n")[0]
     assert all(line.startswith("#") for line in header.splitlines() if not line.startswith("include:"))
     assert "# Hardware: " in header and f"recipes/{config.parent.name}.py" in header
     if config.name != "tiny.yaml":
         assert "Expected memory per GPU: about " in header and "An estimate, not a measurement" in header
+
+
+def test_real_configs_name_standard_harness_tasks_and_say_what_to_expect():
+    """Some real configs evaluate with lm-evaluation-harness at the end: its own task names (gsm8k, mmlu), and
+    a header that says what the run should show and how to measure the base for the comparison."""
+    from lm_eval.tasks import TaskManager
+
+    named = {_name(config): _eval_tasks(config) for config in REAL_CONFIGS if _eval_tasks(config)}
+    assert named == {"llama_qlora/llama3_3_70b.yaml": ["mmlu"], "qwen_grpo/qwen2_5_7b_gsm8k_qlora.yaml": ["gsm8k"]}
+    harness = TaskManager(include_defaults=True).all_tasks
+    for name, tasks in named.items():
+        header = (CONFIGS / name).read_text().split("\n\n")[0]
+        assert "# Evaluation (eval_tasks): " in header, name
+        output_dir = read_yaml_config(CONFIGS / name)["output_dir"]
+        assert f"`fsdp-peft eval {output_dir}/adapter --tasks {tasks[0]} --base-only`" in header, name
+        assert set(tasks) <= set(harness), name
 
 
 def test_the_required_real_configs_ship_for_their_hardware():
@@ -77,7 +110,7 @@ def test_the_required_real_configs_ship_for_their_hardware():
 
 
 @pytest.mark.parametrize("accelerate_config", GPU_ACCELERATE_CONFIGS)
-def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelerate_config, capsys):
+def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelerate_config, capsys, offline_hub):
     """Every real config validates under each GPU accelerate config (DPO and GRPO included, FSDP1 too)."""
     accelerate = CONFIGS / "accelerate" / accelerate_config
     for config in REAL_CONFIGS:
@@ -227,8 +260,11 @@ def test_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_pa
         "--generate_eval_samples",
         "0",
         *LOCAL_DATA,
+        *(["--eval_tasks", "tiny_reverse_em"] if _eval_tasks(config) else []),  # the shipped task for the hub's
     )
     results = read_json(tmp_path / "results.json")
+    if _eval_tasks(config):  # the harness ran at the end, on the sharded model
+        assert results["eval_tasks"]["tiny_reverse_em"]["samples"] == 200
     global_batch = 2 * values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
     assert (results["steps"], results["tokens"], results["fsdp"]) == (2, 2 * global_batch * ROW_TOKENS, True)
     assert f"[fsdp-peft] {recipe}: 2 steps, {2 * global_batch * ROW_TOKENS:,} tokens" in result.stdout

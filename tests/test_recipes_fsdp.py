@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launch_recipe, read_json, run_command, tiny_llama_in_4bit
+from conftest import REPO, launch_recipe, read_json, recipe_torchrun_command, run_command, tiny_llama_in_4bit
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, render_prompt, tokenized_dataset
 
@@ -254,21 +254,7 @@ def test_fsdp_from_the_recipe_yaml_trains_like_the_accelerate_config_route(tmp_p
         "--fsdp_config",
         '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}',
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "recipes" / "llama_lora.py"),
-        "--output_dir",
-        str(output_dir),
-        *COMMON,
-        *fsdp,
-    ]
-    result = run_command(command)
+    result = run_command(recipe_torchrun_command("llama_lora", "--output_dir", str(output_dir), *COMMON, *fsdp))
     assert result.returncode == 0, result.stderr[-4000:]
     assert read_json(output_dir / "results.json")["fsdp"] is True
     assert read_json(output_dir / "fsdp_layout.json")["units"] == EXPECTED_UNITS[2]
