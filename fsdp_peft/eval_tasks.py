@@ -1,7 +1,7 @@
 """Which harness tasks run: the ones fsdp-peft ships and the data they read, and any named ones, loaded and
 checked before a model loads (``fsdp-peft eval --tasks``, a recipe's ``eval_tasks``).
 
-The shipped tasks are in `EVAL_TASKS_DIR` (``fsdp_peft/assets/eval_tasks``), indexed before any ``--include-path``.
+The shipped tasks are in `EVAL_TASKS_DIR` (``fsdp_peft/harness_tasks``), indexed before any ``--include-path``.
 Their YAMLs read their rows through the functions here (``custom_dataset: !function
 fsdp_peft.eval_tasks.tiny_reverse``), not through ``data_files``, which the harness resolves against the working
 directory: so they load from any directory, with no network. The same directory works with the harness's own
@@ -29,10 +29,10 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
-from fsdp_peft.tiny import ASSETS, TINY_DATASET_DIR
+from fsdp_peft.tiny import TINY_DATASET_DIR
 from fsdp_peft.validation_modes import out_of_reach_noted
 
-EVAL_TASKS_DIR = ASSETS / "eval_tasks"
+EVAL_TASKS_DIR = Path(__file__).parent / "harness_tasks"  # written by hand, beside the generated assets
 SHIPPED_TASKS = ("tiny_reverse_em", "tiny_reverse_ll")  # and the tag over both, ``tiny_reverse``
 EVAL_TASKS_KEY = "eval_tasks"  # the recipe key: harness tasks at the end of training
 GENERATION_KWARGS = {  # what HarnessLM follows: stop strings, length (under each of the harness's names), sampling
