@@ -11,11 +11,12 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 class _BitsandbytesImport(MetaPathFinder):
-    """Imports bitsandbytes' default backend through `fsdp_peft._compat.bitsandbytes_compiling_module_spec` (its
-    compiler is loaded on first use, not at import); every other module is left to the other finders."""
+    """Imports two of bitsandbytes' backend modules through `fsdp_peft._compat.bitsandbytes_compiling_module_spec`:
+    the default backend's compiler loads on first use, not at import; the CPU backend's 4-bit dequantization is
+    replaced by a right one as soon as it is registered. Every other module is left to the other finders."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "bitsandbytes.backends.default.ops":
+        if name not in ("bitsandbytes.backends.default.ops", "bitsandbytes.backends.cpu.ops"):
             return None
         from fsdp_peft._compat import bitsandbytes_compiling_module_spec  # lazy: ls/cp must not import torch
 
@@ -24,5 +25,9 @@ class _BitsandbytesImport(MetaPathFinder):
 
 if not any(isinstance(finder, _BitsandbytesImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _BitsandbytesImport())
+if "bitsandbytes.backends.cpu.ops" in sys.modules:  # imported before fsdp_peft: its kernel is fixed now instead
+    from fsdp_peft._compat import cpu_4bit_dequantization_block_aligned
+
+    cpu_4bit_dequantization_block_aligned()
 
 __version__ = "0.1.0"
