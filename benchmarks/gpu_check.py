@@ -69,7 +69,9 @@ The dry run keeps to the QLoRA run (`MOE_DRY_RUNS`), 3 steps, on the embedded ``
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
+import itertools
 import json
 import math
 import os
@@ -111,6 +113,12 @@ GRPO_RUNS = (("recipe", "lora"), ("recipe", "qlora"), ("unsharded", "lora"), ("s
 GRPO_DRY_RUNS = (("recipe", "qlora"), ("unsharded", "lora"))
 GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry run) the CPU
 RUN_MINIMUM_SECONDS = 30  # no run (nor checkpoint build) starts with less of the budget left
+# The 4-bit kernels against the reference decoder (``kernels``, first: seconds): last dimensions that are and are not
+# whole blocks of 64 (96, 160, 200 as the CPU kernel got them wrong; the real models' 768 to 14336), every block size.
+KERNEL_WIDTHS = (96, 160, 200, 768, 2048, 2880, 14336)
+KERNEL_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+KERNEL_EXPERTS = (8, 768, 2048)  # 8 experts of the MoE runs' 768 x 2048 weights
+LINEAR_BOUNDS = {"float32": 1e-6, "bfloat16": 2**-8}  # Linear4bit: summation order (fp32); bf16 rounding (bf16)
 
 
 def checkpoint(shape: str, device: str) -> str:
@@ -406,6 +414,143 @@ def dequantization_cost(model, batch: int, seq: int) -> dict | None:
     }
 
 
+def kernel_check() -> dict:
+    """bitsandbytes' 4-bit kernels (CUDA; the dry run: CPU) against `four_bit_reference`'s decoder of the format's
+    definition: comparing a kernel with itself cannot see a wrong one (the CPU kernel was, `fsdp_peft._compat`)."""
+    # isort: off
+    import fsdp_peft  # noqa: F401  first: its import hook (on CPU, the dry run: the fixed dequantization kernel)
+
+    # isort: on
+    import torch
+
+    # The reference decoder is the test suite's oracle, kept in tests/ (plain modules, not installed): appended last,
+    # so that none of tests/' modules shadows benchmarks/' own.
+    sys.path.append(str(REPO / "tests"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parts = {"dequantize_4bit": dequantize_cases, "linear4bit": linear4bit_cases, "expert_rows": expert_rows_cases}
+    result: dict = {"device": device.type}
+    for name, part in parts.items():
+        try:
+            result[name] = part(device)
+        except Exception as error:  # one part's failure, not the other parts'
+            result[name] = {"failed": f"{type(error).__name__}: {error}"[:500], "passed": False}
+    result["matches_reference"] = all(result[name]["passed"] for name in parts)
+    return result
+
+
+def dequantize_cases(device) -> dict:
+    """``dequantize_4bit`` on ``device``, asked for the tensor's shape and for a flat one, against the reference decode
+    of the same bytes and state on CPU: every setting a recipe can choose, widths that are and are not whole blocks."""
+    import bitsandbytes.functional as bnb_functional
+    import torch
+    from four_bit_reference import decode
+
+    storages, settings = (torch.uint8, torch.bfloat16, torch.float32), 0
+    compared, unequal, largest = 0, [], 0.0
+    for width, rows in itertools.product(KERNEL_WIDTHS, ((5,), (2, 3))):
+        shape = (*rows, width)
+        weight = torch.randn(shape, generator=torch.Generator().manual_seed(width + len(shape))).to(torch.bfloat16)
+        for blocksize, quant_type, nested, storage in itertools.product(
+            KERNEL_BLOCKSIZES, ("nf4", "fp4"), (False, True), storages
+        ):
+            if -(-weight.numel() // 2) % storage.itemsize:  # bitsandbytes drops bytes short of a storage element
+                continue
+            packed, state = bnb_functional.quantize_4bit(
+                weight.to(device),
+                blocksize=blocksize,
+                compress_statistics=nested,
+                quant_type=quant_type,
+                quant_storage=storage,
+            )
+            flat = copy.copy(state)
+            flat.shape = torch.Size([weight.numel()])
+            got = (bnb_functional.dequantize_4bit(packed, state), bnb_functional.dequantize_4bit(packed, flat))
+            state.to("cpu")  # in place (after the kernels' calls): the reference reads only CPU tensors
+            want = decode(packed.cpu(), state)
+            settings += 1
+            for asked, tensor in zip(("shaped", "flat"), got):
+                tensor, compared = tensor.cpu().view(shape), compared + 1
+                largest = max(largest, (tensor.float() - want.float()).abs().max().item())
+                if tensor.dtype != want.dtype or not torch.equal(tensor, want):
+                    unequal.append(f"{list(shape)} {quant_type} blocks {blocksize} nested {nested} {storage} {asked}")
+    return {
+        "settings": settings,
+        "dequantizations": compared,
+        "unequal": len(unequal),
+        "first_unequal": unequal[:10],
+        "max_abs_difference": largest,
+        "passed": compared > 0 and not unequal,
+    }
+
+
+def linear4bit_cases(device) -> dict:
+    """``Linear4bit`` as the QLoRA recipes build it (nf4, double quantization, bf16 weights and storage) on ``device``:
+    forward and input gradient against matmuls with the reference's weights. bitsandbytes picks its forward kernel
+    by rows (a fused 4-bit matmul for few, dequantize + matmul for many): 1, 6 and 64 rows."""
+    import bitsandbytes
+    import torch
+    from four_bit_reference import decode, relative_error
+
+    from fsdp_peft._compat import cpu_weight_repacking_disabled
+
+    cases = []
+    for compute, in_features in itertools.product((torch.float32, torch.bfloat16), (96, 128, 200, 4096)):
+        generator = torch.Generator().manual_seed(in_features)
+        weight = torch.randn(96, in_features, generator=generator).to(torch.bfloat16)
+        layer = bitsandbytes.nn.Linear4bit(
+            in_features, 96, bias=False, compute_dtype=compute, quant_type="nf4", quant_storage=torch.bfloat16
+        )
+        layer.weight = bitsandbytes.nn.Params4bit(
+            weight, requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16
+        )
+        cpu_weight_repacking_disabled(layer.to(device))  # quantized by the move; on CPU, as the recipes run it
+        state = copy.deepcopy(layer.weight.quant_state)
+        state.to("cpu")
+        packed = layer.weight.data.cpu()
+        # As bitsandbytes computes: the forward decodes into the compute dtype, the backward into the weights', casts.
+        forward_weight = decode(packed, state, compute).to(device)
+        backward_weight = decode(packed, state).to(compute).to(device)
+        for rows in (1, 6, 64):
+            x = torch.randn(rows, in_features, generator=generator).to(compute).to(device).requires_grad_()
+            out = layer(x)
+            grad = torch.randn(out.shape, generator=generator).to(compute).to(device)
+            out.backward(grad)
+            with torch.no_grad():
+                errors = (relative_error(out, x @ forward_weight.T), relative_error(x.grad, grad @ backward_weight))
+            dtype = str(compute).removeprefix("torch.")
+            case = {"compute": dtype, "in_features": in_features, "rows": rows}
+            within = all(error <= LINEAR_BOUNDS[dtype] for error in errors)  # NaN: not within
+            cases.append({**case, "forward": errors[0], "input_gradient": errors[1], "within_bound": within})
+    passed = all(case["within_bound"] for case in cases)
+    nan_first = lambda error: math.inf if math.isnan(error) else error  # noqa: E731
+    largest = {
+        d: max((c[k] for c in cases if c["compute"] == d for k in ("forward", "input_gradient")), key=nan_first)
+        for d in LINEAR_BOUNDS
+    }
+    return {"cases": cases, "max_relative_error": largest, "bounds": LINEAR_BOUNDS, "passed": passed}
+
+
+def expert_rows_cases(device) -> dict:
+    """`fsdp_peft.moe_quantization`'s 4-bit expert rows (its layout around bitsandbytes' kernels) quantized and
+    dequantized on ``device`` against the reference's reading of the rows as the layout is documented."""
+    import torch
+    from four_bit_reference import decode_expert_rows
+
+    from fsdp_peft.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
+
+    weight = torch.randn(KERNEL_EXPERTS, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
+    cases = []
+    for quant_type, nested in itertools.product(("nf4", "fp4"), (True, False)):
+        layout = layout_for(weight.shape, quant_type, nested, torch.bfloat16)
+        rows = quantize_expert_rows(weight, layout)
+        got = dequantize_expert_rows(rows, layout, torch.bfloat16).cpu()
+        want = decode_expert_rows(rows.cpu(), weight.shape, quant_type, nested, torch.bfloat16)
+        difference = (got.float() - want.float()).abs().max().item()
+        cases.append({"quant_type": quant_type, "double_quant": nested, "max_abs_difference": difference})
+        cases[-1]["equal"] = got.dtype == want.dtype and torch.equal(got, want)
+    return {"shape": list(KERNEL_EXPERTS), "cases": cases, "passed": all(case["equal"] for case in cases)}
+
+
 def planned(config: Path, gpu_memory: int) -> dict:
     from fsdp_peft.plan import CUDA_CONTEXT_BYTES, plan_memory
 
@@ -456,7 +601,7 @@ def drive(args) -> None:
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    order = (args.shapes or ("tiny,grpo,moe" if args.dry_run else "1b,grpo,moe,8b")).split(",")
+    order = (args.shapes or ("kernels,tiny,grpo,moe" if args.dry_run else "kernels,1b,grpo,moe,8b")).split(",")
     shapes = {"grpo": "tiny" if args.dry_run else args.grpo_shape, "moe": "tiny-moe" if args.dry_run else "moe"}
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
     report = {
@@ -496,6 +641,10 @@ def drive(args) -> None:
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for item in order:
+        if item == "kernels":  # no model: its own random tensors
+            entry = {"model": "4-bit", "method": "kernels", "impl": "vs reference"}
+            measured(entry, kernel_run, args, report, started)
+            continue
         shape = shapes.get(item, item)
         path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
         if item == "grpo":
@@ -559,6 +708,16 @@ def sft_run(impl: str, config: Path, directory: Path, left: float) -> dict:
     """One SFT run (`run_one` in a child process)."""
     out = directory / f"{impl}.json"
     command = [sys.executable, __file__, "--one", "--impl", impl, "--config", str(config), "--result", str(out)]
+    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
+    if child.returncode != 0:
+        return {"failed": last_line(child.stderr)}
+    return json.loads(out.read_text())
+
+
+def kernel_run(left: float) -> dict:
+    """`kernel_check` in a child process: a kernel's fault (a sticky CUDA error) stays out of the later runs."""
+    out = Path(tempfile.mkdtemp(prefix="gpu_check_kernels_")) / "kernels.json"
+    command = [sys.executable, __file__, "--kernels", "--result", str(out)]
     child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
     if child.returncode != 0:
         return {"failed": last_line(child.stderr)}
@@ -644,6 +803,9 @@ def print_entry(entry: dict) -> None:
     if "failed" in entry:
         print(f"{head} failed: {entry['failed']}")
         return
+    if "matches_reference" in entry:
+        print_kernels(head, entry)
+        return
     from fsdp_peft.plan import gib as size
 
     gib = lambda v: size(v) if v else "n/a"  # noqa: E731
@@ -683,25 +845,52 @@ def print_entry(entry: dict) -> None:
         )
 
 
+def print_kernels(head: str, entry: dict) -> None:
+    """The kernel check's verdict, then a line per part: its figures, or why it failed."""
+    verdict = "MATCH" if entry["matches_reference"] else "DO NOT MATCH"
+    print(f"{head} on {entry['device']}: the 4-bit kernels {verdict} the reference decoder", flush=True)
+    parts = {}  # the entry's key: its line
+    if "failed" not in (part := entry["dequantize_4bit"]):
+        count, settings = part["dequantizations"], part["settings"]
+        parts["dequantize_4bit"] = (
+            f"{count - part['unequal']} of {count} equal ({settings} settings, shaped and flat),"
+            f" largest |difference| {part['max_abs_difference']}"
+        )
+    if "failed" not in (part := entry["linear4bit"]):
+        largest, bounds = part["max_relative_error"], part["bounds"]
+        errors = ", ".join(f"{d} {largest[d]:.2e} (bound {bounds[d]:.2e})" for d in largest)
+        parts["linear4bit"] = f"largest relative error of forward and input gradient: {errors}"
+    if "failed" not in (part := entry["expert_rows"]):
+        cases = part["cases"]
+        largest = max(case["max_abs_difference"] for case in cases)
+        equal = sum(case["equal"] for case in cases)
+        parts["expert_rows"] = f"{part['shape']}: {equal} of {len(cases)} equal, largest |difference| {largest}"
+    for key in ("dequantize_4bit", "linear4bit", "expert_rows"):  # as the JSON names them
+        print(f"{'':<30}{key}: {parts.get(key) or 'failed: ' + entry[key]['failed']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: the embedded tiny model, tiny sizes")
     parser.add_argument(
         "--shapes",
-        help="what runs, in this order: SFT model shapes, grpo (the GRPO runs) and moe (the MoE runs); default"
-        " 1b,grpo,moe,8b (dry run: tiny,grpo,moe)",
+        help="what runs, in this order: kernels (4-bit kernels against the reference decoder), SFT model shapes, grpo"
+        " (the GRPO runs) and moe (the MoE runs); default kernels,1b,grpo,moe,8b (dry run: kernels,tiny,grpo,moe)",
     )
     parser.add_argument("--grpo-shape", default="1b", choices=sorted(GRPO_SIZES), help="the GRPO runs' model shape")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first two are not timed)")
     parser.add_argument("--budget", type=float, default=420, help="seconds for all runs together")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.json")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kernels", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=["fsdp-peft", "plain"], help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         args.result.write_text(json.dumps(run_one(args)))
+    elif args.kernels:
+        args.result.write_text(json.dumps(kernel_check()))
     else:
         drive(args)
 

@@ -99,7 +99,10 @@ def load_for_generation(
     tokenizer = _tokenizer(AutoTokenizer.from_pretrained(tokenizer_directory(adapter.origin, base_dir)))
     model = grow_vocabulary(load_base_model(recipe), tokenizer, recipe)
     chat = recipe.use_chat_template if adapter.recipe else None
-    if base_only:
+    if base_only:  # as the recipe's forward ran it: 4-bit experts dequantized per forward, no CPU repacking
+        dequantize_in_forward(record_of(model).quantized_experts)
+        if model.device.type == "cpu":
+            disable_cpu_weight_repacking(model)
         return LoadedModel(model.eval(), tokenizer, chat, f"base {base_dir} of adapter {adapter.origin}", base_dir)
     model = attach_trained_adapter(model, adapter)
     return LoadedModel(model, tokenizer, chat, f"adapter {adapter.origin} on {base_dir}", base_dir, adapter.origin)

@@ -59,24 +59,22 @@ def tiny_model_dir(tiny_cache) -> Path:
 
 
 def write_tiny_model(directory: Path, config_class, **architecture) -> Path:
-    """A 4-layer, width-128 model of ``config_class`` (``architecture``: its own keys) with the embedded tokenizer,
-    weights from the seed, written into ``directory``: a model with no family entry, for the generic path."""
+    """A 4-layer, width-128 model of ``config_class`` (``architecture``: its own keys, or other sizes) with the
+    embedded tokenizer, weights from the seed, written into ``directory``: a model with no family entry, for the
+    generic path, or a family's architecture in other sizes."""
     from transformers import AutoTokenizer
 
     from fsdp_peft import tiny
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.TINY_MODEL_ASSETS)
+    sizes = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4)
     config = config_class(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        **{**sizes, **architecture},
         max_position_embeddings=128,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **architecture,
     )
     directory.mkdir(parents=True, exist_ok=True)
     tiny.write_checkpoint(directory, config, tokenizer)

@@ -104,8 +104,9 @@ def test_shards_respect_the_maximum_size_and_are_indexed(adapter_dir, tmp_path):
 
 
 def test_nf4_variant_merges_onto_the_weights_4bit_training_saw(adapter_dir, tiny_model_dir, tmp_path):
-    """The independent reference: transformers' own 4-bit load of the base, dequantized by bitsandbytes."""
-    import bitsandbytes as bnb
+    """The independent reference: transformers' own 4-bit load of the base, decoded by the reference decoder
+    (tests/four_bit_reference.py: the NF4 definition, not bitsandbytes' dequantization)."""
+    from four_bit_reference import decode
 
     out = export_merged(adapter_dir, tmp_path / "nf4", dtype="fp32", base_variant="nf4", progress=False)
     merged = load_file(out / "model.safetensors")
@@ -116,7 +117,7 @@ def test_nf4_variant_merges_onto_the_weights_4bit_training_saw(adapter_dir, tiny
     adapter = load_file(adapter_dir / "adapter_model.safetensors")
     for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
         weight = quantized.get_submodule(name).weight
-        expected = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+        expected = decode(weight.data, weight.quant_state).float()  # in the load dtype, as training computed
         if name.endswith("q_proj"):  # adapted: plus the LoRA delta (alpha / r = 2)
             prefix = f"base_model.model.{name}"
             expected = expected + (adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"]) * 2.0

@@ -290,11 +290,13 @@ def test_qlora_sharded_generation_matches_the_unsharded_4bit_model(qlora_runs):
 
 def test_nf4_export_merges_onto_the_experts_training_saw_as_peft_would(qlora_runs, tmp_path):
     """``--base-variant nf4``: every expert dequantized as in training, then the adapter merged: peft's
-    ``merge_and_unload`` on that base, bit for bit (fp32)."""
+    ``merge_and_unload`` on that base, bit for bit (fp32); the base's experts are bitsandbytes' quantization of each
+    expert decoded by the reference decoder (tests/four_bit_reference.py), not by the code under test."""
+    import bitsandbytes.functional as bnb_functional
+    from four_bit_reference import decode
     from peft import PeftModel
 
     from fsdp_peft.export import export_merged
-    from fsdp_peft.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
 
     out = export_merged(qlora_runs["dir"], tmp_path / "nf4", dtype="fp32", base_variant="nf4", progress=False)
     merged = load_file(out / "model.safetensors")
@@ -302,10 +304,53 @@ def test_nf4_export_merges_onto_the_experts_training_saw_as_peft_would(qlora_run
     with torch.no_grad():
         for name, parameter in base.named_parameters():
             if ".experts." in name:
-                layout = layout_for(parameter.shape, "nf4", True, torch.bfloat16)
-                rows = quantize_expert_rows(parameter.to(torch.bfloat16), layout)
-                parameter.copy_(dequantize_expert_rows(rows, layout, torch.float32))
+                for expert, weight in enumerate(parameter.to(torch.bfloat16)):
+                    packed, state = bnb_functional.quantize_4bit(
+                        weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+                    )
+                    parameter[expert] = decode(packed, state, torch.float32)
     reference = PeftModel.from_pretrained(base, qlora_runs["dir"] / "adapter").merge_and_unload().state_dict()
     experts = [key for key in reference if ".experts." in key]
     assert len(experts) == 8
     assert all(torch.equal(merged[key], reference[key]) for key in experts)
+
+
+def test_the_experts_the_qlora_forward_reads_are_the_reference_decode_of_the_stored_rows(qlora_runs):
+    """Held out from the code under test: the run's base loaded as `fsdp-peft generate --base-only` loads it (quantized
+    on load, as training did: the 2-rank samples equal the same load's with the adapter, above). In one forward, the
+    weights each experts module reads (captured as it is called) equal the reference decoder's reading of the stored
+    4-bit rows (tests/four_bit_reference.py: the NF4 definition, the documented row layout), exactly; and each is
+    within 0.1 (relative) of the checkpoint's bf16 weights, where a right NF4 round trip is 0.09 (a misplaced block
+    scale, as bitsandbytes' CPU kernel did for these 96-wide experts, 0.25)."""
+    from four_bit_reference import decode_expert_rows, relative_error
+
+    from fsdp_peft.inference import load_for_generation
+    from fsdp_peft.paths import tiny_model_path
+
+    loaded = load_for_generation(qlora_runs["dir"] / "adapter", None, torch.device("cpu"), base_only=True)
+    read, stored = {}, {}
+
+    def reading(key: str, attribute: str):
+        def hook(module, args) -> None:  # returns nothing: the call's arguments stay as they are
+            read.setdefault(key, getattr(module, attribute).detach().clone())
+
+        return hook
+
+    for name, module in loaded.model.named_modules():
+        for row_name, rows in module.named_parameters(recurse=False):
+            if row_name.endswith("_4bit"):
+                attribute = row_name.removesuffix("_4bit")
+                stored[key := f"{name}.{attribute}"] = rows.detach().clone()
+                module.register_forward_pre_hook(reading(key, attribute))
+    ids = torch.tensor([[256, 259, 81, 68, 85, 68, 81, 82, 68, 25, 220, 64, 65, 66, 67, 68, 257, 260]])
+    with torch.no_grad():
+        loaded.model(input_ids=ids)
+    original = load_file(tiny_model_path(qlora_runs["model"]) / "model.safetensors")
+    assert len(read) == len(stored) == 4 * 2  # 4 layers x (gate_up_proj, down_proj)
+    worst = 0.0
+    for key, weights in read.items():
+        want = decode_expert_rows(stored[key], weights.shape, "nf4", True, weights.dtype)
+        assert torch.equal(weights, want), key
+        worst = max(worst, relative_error(weights, original[key]))
+    print(f"{qlora_runs['recipe']}: experts read vs bf16 weights, largest relative error {worst:.3f}")
+    assert worst <= 0.1
