@@ -1,7 +1,8 @@
 """GPU check (driven by benchmarks/gpu_check.sh): LoRA and QLoRA on one GPU, fsdp-peft against plain
 transformers `Trainer` + peft with the same settings, for a ~1B and an 8B-shaped random-weight Llama; the
 GRPO recipe on the ~1B shape: its rollouts against the unsharded model and stock TRL, and a few training steps; and a
-random-weight Qwen3-MoE shape: QLoRA with its experts in 4 bits and LoRA on a bf16 base, LoRA on every expert.
+random-weight Qwen3-MoE shape: QLoRA with its experts in 4 bits and LoRA on a bf16 base, LoRA on every expert. Before
+them, bitsandbytes' 4-bit kernels against a decoder written from the formats' definition.
 
 Each run is its own process (clean peak-memory counters) and trains ``--steps`` optimizer steps on random
 token ids (``--seq`` tokens per row, ``--batch`` rows per step, bf16, gradient checkpointing, AdamW, LoRA
@@ -79,7 +80,7 @@ state moved to CPU:
 - ``expert_rows``: `fsdp_peft.moe_quantization`'s rows of a ``[8, 768, 2048]`` bf16 weight (NF4 and FP4, double
   quantization on and off) dequantized must equal the reference's reading of the documented layout exactly.
 
-``matches_reference``: all three hold. The dry run runs the same cases on CPU (about 40 s on 2 cores).
+``matches_reference``: all three hold. The dry run runs the same cases on CPU (about 40 s on 2 quiet cores).
 
     python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny models, tiny sizes, same code path
     python benchmarks/gpu_check.py --shapes moe     # one GPU: the MoE runs alone
@@ -664,7 +665,7 @@ def drive(args) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for item in order:
         if item == "kernels":  # no model: its own random tensors
-            entry = {"model": "4-bit", "method": "kernels", "impl": "vs reference"}
+            entry = {"model": "kernels", "method": "4-bit", "impl": "vs reference"}
             measured(entry, kernel_run, args, report, started)
             continue
         shape = shapes.get(item, item)

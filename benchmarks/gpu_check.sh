@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B, GRPO, MoE and 8B runs
 #   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny models
 #
-# Measures, in this order: ~1B SFT, GRPO, MoE, 8B SFT (no run starts once the time is spent: the 8B runs,
+# Measures, in this order: the 4-bit kernels against a reference decoder (seconds), ~1B SFT, GRPO, MoE, 8B SFT (no run starts once the time is spent: the 8B runs,
 # the costliest, are the ones a slow machine leaves out, then the MoE runs; the JSON lists what was skipped):
 # - SFT, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama, LoRA
 #   and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s, peak

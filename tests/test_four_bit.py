@@ -266,3 +266,16 @@ def test_every_4bit_layer_of_an_odd_width_qlora_run_computes_with_the_reference_
         worst_weight = max(worst_weight, relative_error(weight, original[f"{key}.weight"]))
     print(f"odd widths: 4-bit layers' outputs vs the reference {worst_output:.2e}, weights vs bf16 {worst_weight:.3f}")
     assert worst_output <= 2**-8 and worst_weight <= NF4_ROUND_TRIP
+
+
+def test_loftqs_residual_computes_with_the_reference_weights():
+    """LoftQ's alternation (`fsdp_peft.residual`) subtracts the 4-bit weights of a layer the run loads in 4 bits: for
+    a width the unpatched kernel got wrong (96), they are the reference's decode of bitsandbytes' quantization."""
+    from fsdp_peft.residual import _dequantized
+
+    settings = dict(quant_type="nf4", compress_statistics=True, blocksize=64, quant_storage=torch.bfloat16)
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    packed = bitsandbytes.nn.Params4bit(weight.to(torch.bfloat16), requires_grad=False, **settings).to("cpu")
+    want = decode(packed.data, packed.quant_state).float()
+    assert torch.equal(_dequantized(weight, (settings, torch.bfloat16), "cpu"), want)
+    assert relative_error(want, weight) <= NF4_ROUND_TRIP
