@@ -230,9 +230,12 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "transformers.trainer:Trainer._prepare_for_training",
         ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
-        "fsdp_peft.trainer.PeftFsdpTrainer",
-        "FSDP policies for PEFT are set between Accelerator creation and wrapping",
-        "transformers applies PEFT-aware FSDP2 policies itself",
+        "fsdp_peft.trainer.PeftFsdpTrainer; fsdp_peft._compat.xla_fsdp_optimizer_created",
+        "FSDP policies for PEFT are set between Accelerator creation and wrapping; XLA FSDP delays optimizer creation"
+        " and prepares only the optimizer when the model came back wrapped",
+        "transformers applies PEFT-aware FSDP2 policies itself and creates the delayed optimizer after XLA FSDP"
+        " wrapping again (transformers 5.2 did)",
+        mentions=("is_fsdp_xla_enabled", "delay_optimizer_creation", "use_accelerator_prepare"),
     ),
     Upstream(
         "transformers.trainer:Trainer._save_checkpoint",
@@ -290,14 +293,6 @@ UPSTREAM: tuple[Upstream, ...] = (
         "fsdp_peft._compat.xla_fsdp_optimizer_created",
         "under XLA FSDP the optimizer is created for the model _wrap_model returns",
         "Trainer creates the delayed optimizer after XLA FSDP wrapping again (transformers 5.2 did)",
-    ),
-    Upstream(
-        "transformers.trainer:Trainer._prepare_for_training",
-        ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
-        "fsdp_peft._compat.xla_fsdp_optimizer_created",
-        "XLA FSDP delays optimizer creation and prepares only the optimizer when the model came back wrapped",
-        "Trainer creates the delayed optimizer after XLA FSDP wrapping again (transformers 5.2 did)",
-        mentions=("is_fsdp_xla_enabled", "delay_optimizer_creation", "use_accelerator_prepare"),
     ),
     Upstream(
         "torch.distributed.device_mesh:DeviceMesh.__init__",
@@ -358,18 +353,24 @@ class Patch:
 
     function: Callable
     package: str
-    verified: tuple[str, str]  # (lowest verified, first unverified) release of ``package``
+    verified: tuple[str, str] | None = None  # (lowest verified, first unverified) release; None: the package's own
     still_needed: Callable[[], bool] | None = None  # else a test of the patch's own shows upstream's behaviour
 
+    @property
+    def window(self) -> tuple[str, str]:
+        """The releases the patch was verified with: those fsdp-peft was verified with, unless the patch says."""
+        return self.verified or {**VERIFIED, **TRL_VERIFIED}[self.package]
+
     def window_problem(self) -> str | None:
-        return _window_problem(self.package, self.verified, f"fsdp_peft._compat.{self.function.__name__}")
+        return _window_problem(self.package, self.window, f"fsdp_peft._compat.{self.function.__name__}")
 
 
 PATCHES: list[Patch] = []
 
 
-def patch(package: str, verified: tuple[str, str], still_needed: Callable[[], bool] | None = None):
-    """Register the decorated function in `PATCHES`: a patch of ``package`` verified on ``verified``."""
+def patch(package: str, still_needed: Callable[[], bool] | None = None, verified: tuple[str, str] | None = None):
+    """Register the decorated function in `PATCHES`: a patch of ``package``, verified with the releases `VERIFIED`
+    names for it (or ``verified``, a window of its own)."""
 
     def register(function):
         PATCHES.append(Patch(function, package, verified, still_needed))
@@ -459,7 +460,6 @@ def check_upstream() -> None:
 
 @patch(
     "transformers",
-    ("5.24.0", "5.25"),
     still_needed=lambda: "update_fsdp_plugin_peft(" in _source_of("transformers.trainer:Trainer._prepare_for_training"),
 )
 @contextlib.contextmanager
@@ -481,7 +481,7 @@ def trainer_peft_update_skipped():
         transformers.trainer.update_fsdp_plugin_peft = original
 
 
-@patch("accelerate", ("1.15.0", "1.16"))
+@patch("accelerate")
 @contextlib.contextmanager
 def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
     """Replaces accelerate's FSDP model-state selection and transformers' FSDP optimizer loading, for FSDP1
@@ -549,7 +549,7 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
         transformers.trainer.load_fsdp_optimizer = original_load_optimizer
 
 
-@patch("peft", ("0.21.2", "0.22"))
+@patch("peft")
 @contextlib.contextmanager
 def adapters_created_off_meta():
     """Replaces peft's ``BaseTunerLayer._move_adapter_to_device_of_base_layer`` and ``LoraModel._replace_module``
@@ -605,7 +605,7 @@ def _adapter_tensors_off_meta(layer, adapter_name: str) -> None:
             container[adapter_name] = torch.nn.Parameter(empty, value.requires_grad) if trainable else empty
 
 
-@patch("accelerate", ("1.15.0", "1.16"))
+@patch("accelerate")
 @contextlib.contextmanager
 def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
     """Replaces ``accelerate.accelerator.fsdp2_prepare_model`` by ``replacement(original)`` meanwhile.
@@ -626,7 +626,7 @@ def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
         accelerate_module.fsdp2_prepare_model = original
 
 
-@patch("peft", ("0.21.2", "0.22"))
+@patch("peft")
 def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
     """Replaces ``get_lora_weight`` of every DoRA linear layer of ``model`` (on the instance) by the same
     computation under ``torch.no_grad()``; returns how many.
@@ -650,7 +650,7 @@ def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
     return patched
 
 
-@patch("peft", ("0.21.2", "0.22"))
+@patch("peft")
 def trainable_tokens_through_the_base_layer(model: torch.nn.Module) -> int:
     """Replaces ``forward_adapters`` of every trainable-token layer of ``model`` (on the instance) by one that
     calls the frozen embedding (or untied output head) and puts the trained rows over its output; returns how many.
@@ -734,7 +734,6 @@ def _without_grad(function: Callable) -> Callable:
 
 @patch(
     "bitsandbytes",
-    ("0.50.2", "0.51"),
     still_needed=lambda: "support_avx512bf16_for_cpu" in _source_of("bitsandbytes.nn:Linear4bit.forward"),
 )
 def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
@@ -754,7 +753,7 @@ def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
     return changed
 
 
-@patch("accelerate", ("1.15.0", "1.16"))
+@patch("accelerate")
 def state_switched_to_fsdp(state, fsdp_version: int) -> None:
     """Sets accelerate's ``distributed_type`` to FSDP in both the `AcceleratorState` and the shared
     ``PartialState._shared_state`` (every later ``AcceleratorState()`` re-copies the latter).
@@ -772,7 +771,7 @@ def state_switched_to_fsdp(state, fsdp_version: int) -> None:
             values["device"] = torch.device("cpu")
 
 
-@patch("transformers", ("5.24.0", "5.25"))
+@patch("transformers")
 @contextlib.contextmanager
 def xla_fsdp_optimizer_created(trainer):
     """Replaces ``trainer._wrap_model`` (on this instance) by one that, under XLA FSDP, creates the optimizer
@@ -802,7 +801,6 @@ def xla_fsdp_optimizer_created(trainer):
 
 @patch(
     "peft",
-    ("0.21.2", "0.22"),
     still_needed=lambda: "is_gradient_checkpointing" in _source_of("peft.peft_model:PeftModel.__init__"),
 )
 def peft_wrapped(model: torch.nn.Module, config, **kwargs):
@@ -824,7 +822,7 @@ def peft_wrapped(model: torch.nn.Module, config, **kwargs):
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)
 
 
-@patch("torch", ("2.13.0", "2.14"))
+@patch("torch")
 def process_groups_released() -> list[str]:
     """Drops what every `DeviceMesh` still holds of its process groups after ``destroy_process_group``, so that the
     groups are destructed (their native threads joined) now, while the interpreter is whole; returns the names of
@@ -850,7 +848,6 @@ def process_groups_released() -> list[str]:
 
 @patch(
     "torch",
-    ("2.13.0", "2.14"),
     still_needed=lambda: (
         "self._unsharded_param.grad is None" in _source(inspect.unwrap(_resolve(FSDP2_ACCUMULATED_GRAD)))
     ),
@@ -884,7 +881,6 @@ def fsdp2_accumulation_skips_ungathered_parameters() -> None:
 
 BITSANDBYTES_COMPILING_MODULE = "bitsandbytes.backends.default.ops"
 BITSANDBYTES_CPU_MODULE = "bitsandbytes.backends.cpu.ops"
-BITSANDBYTES_WINDOW = ("0.50.2", "0.51")
 DEQUANTIZE_4BIT = "bitsandbytes::dequantize_4bit"
 
 
@@ -946,7 +942,6 @@ BITSANDBYTES_IMPORTS = {  # bitsandbytes module: what its execution runs inside 
 
 @patch(
     "bitsandbytes",
-    BITSANDBYTES_WINDOW,
     still_needed=lambda: "torch.compile(fn" in _source_of("bitsandbytes.backends.default.ops:_try_torch_compile"),
 )
 def bitsandbytes_compiling_module_spec(name: str, path, target=None):
@@ -962,7 +957,7 @@ def bitsandbytes_compiling_module_spec(name: str, path, target=None):
     Remove when: bitsandbytes compiles its default kernels lazily (and the CPU patch is gone).
     """
     around = BITSANDBYTES_IMPORTS.get(name)
-    if around is None or _window_problem("bitsandbytes", BITSANDBYTES_WINDOW, name):
+    if around is None or version_problem("bitsandbytes"):
         return None
     spec = importlib.machinery.PathFinder.find_spec(name, path, target)
     if spec is not None and spec.loader is not None:
@@ -995,7 +990,7 @@ def _misplaces_block_scales() -> bool:
     return not torch.equal(shaped, aligned.view(2, 96))
 
 
-@patch("bitsandbytes", BITSANDBYTES_WINDOW, still_needed=_misplaces_block_scales)
+@patch("bitsandbytes", still_needed=_misplaces_block_scales)
 def cpu_4bit_dequantization_block_aligned() -> None:
     """Replaces bitsandbytes' CPU kernel of ``bitsandbytes::dequantize_4bit`` with one that calls it on the same values
     viewed as rows of one block each (or one row, when the blocks do not divide them) and views the result in the

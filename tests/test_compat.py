@@ -38,6 +38,46 @@ def test_installed_releases_are_the_verified_ones(package):
     assert version_problem(package) is None, importlib.metadata.version(package)
 
 
+def _pins(lines: list[str]) -> dict[str, set[tuple[str, str]]]:
+    """``{package: {(operator, version), ...}}`` of requirement lines (comments and blank lines skipped)."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            requirement = Requirement(line)
+            pins[requirement.name.replace("-", "_")] = {(spec.operator, spec.version) for spec in requirement.specifier}
+    return pins
+
+
+def _pinned_window(pins: set[tuple[str, str]]) -> tuple[str, str | None]:
+    """``(lowest, first excluded)`` of a ``>=a,<b`` range, or ``(v, None)`` of ``==v``."""
+    operators = dict(pins)
+    return (operators["=="], None) if "==" in operators else (operators[">="], operators["<"])
+
+
+def test_the_pinned_releases_are_the_verified_windows_one_source_of_truth():
+    """pyproject.toml's ranges are `VERIFIED`'s windows (an exact pin: the window's lowest release), and so are
+    requirements-tpu.txt's exact pins (the TPU route's torch and torch-xla: `VERIFIED_WITH_TORCH_XLA`); every patch
+    takes its package's window unless it names one of its own, and no upstream symbol is listed twice."""
+    import tomllib
+
+    main = _pins(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
+    tpu = _pins((REPO / "requirements-tpu.txt").read_text().splitlines())
+    for package, (lowest, unverified) in {**VERIFIED, **TRL_VERIFIED}.items():
+        low, high = _pinned_window(main[package])
+        assert low == lowest and high in (unverified, None), (package, main[package])
+    for package, (lowest, _) in {**VERIFIED, **_compat.VERIFIED_WITH_TORCH_XLA}.items():
+        if package in tpu and not (package == "torch" and "torch_xla" in tpu):
+            assert _pinned_window(tpu[package])[0] == lowest, (package, tpu[package])
+    assert _pinned_window(tpu["torch"])[0] == _compat.VERIFIED_WITH_TORCH_XLA["torch"][0]
+    assert _pinned_window(tpu["torch_xla"])[0] == _compat.VERIFIED_WITH_TORCH_XLA["torch_xla"][0]
+    assert all(p.verified is None and p.window == VERIFIED[p.package] for p in PATCHES)
+    paths = [entry.path for entry in UPSTREAM]
+    assert len(paths) == len(set(paths)), sorted(p for p in paths if paths.count(p) > 1)
+
+
 def test_trls_symbols_and_release_are_checked_where_trl_is_imported_and_cost_sft_nothing():
     check = "import sys, fsdp_peft._compat as c; {}c.check_upstream(); print('trl' in sys.modules)"
     sft = subprocess.run([sys.executable, "-c", check.format("")], capture_output=True, text=True, cwd=REPO)
