@@ -342,6 +342,22 @@ UPSTREAM: tuple[Upstream, ...] = (
         "TRL tokenizes rendered string prompts without adding special tokens",
         mentions=("multimodal_fields",),
     ),
+    Upstream(
+        "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions",
+        ("self", "inputs"),
+        "fsdp_peft.rl.RolloutTrainer._generate_and_score_completions",
+        "TRL's rollouts run inside fsdp_peft._compat.trl_without_the_checkpointing_warning",
+        "TRL reads is_activation_checkpointing",
+        mentions=("disable_gradient_checkpointing",),
+    ),
+    Upstream(
+        "trl.models.utils:disable_gradient_checkpointing",
+        ("model", "gradient_checkpointing_kwargs"),
+        "fsdp_peft._compat.trl_without_the_checkpointing_warning",
+        "TRL reads transformers' deprecated is_gradient_checkpointing around reference forwards and rollouts",
+        "TRL reads is_activation_checkpointing",
+        mentions=("is_gradient_checkpointing",),
+    ),
 )
 TRL_VERIFIED = {"trl": ("1.16.0", "1.17")}  # checked where trl is imported: its recipes, not SFT or the CLI
 
@@ -799,6 +815,17 @@ def xla_fsdp_optimizer_created(trainer):
         del trainer._wrap_model
 
 
+CHECKPOINTING_ALIAS_WARNING = "`is_gradient_checkpointing` is deprecated"  # transformers 5.24's FutureWarning
+
+
+@contextlib.contextmanager
+def checkpointing_alias_quiet():
+    """Inside, transformers' FutureWarning for the deprecated ``is_gradient_checkpointing`` alone is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CHECKPOINTING_ALIAS_WARNING, category=FutureWarning)
+        yield
+
+
 @patch(
     "peft",
     still_needed=lambda: "is_gradient_checkpointing" in _source_of("peft.peft_model:PeftModel.__init__"),
@@ -814,9 +841,27 @@ def peft_wrapped(model: torch.nn.Module, config, **kwargs):
     """
     from peft import get_peft_model  # lazy: every command imports _compat; peft (and bitsandbytes) only model builders
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with checkpointing_alias_quiet():
         return get_peft_model(model, config, **kwargs)
+
+
+@patch(
+    "trl",
+    still_needed=lambda: "is_gradient_checkpointing" in _source_of("trl.models.utils:disable_gradient_checkpointing"),
+)
+@contextlib.contextmanager
+def trl_without_the_checkpointing_warning():
+    """Silences transformers' FutureWarning for ``is_gradient_checkpointing`` (that one alone) while TRL's trainers
+    compute a loss, build (DPO: precompute reference log-probs) or make and score GRPO rollouts
+    (`fsdp_peft.preference.ReferenceWithoutCopy`, `fsdp_peft.rl.RolloutTrainer`).
+
+    Why: TRL 1.16 reads the deprecated name in ``unwrap_model_for_generation`` and ``disable_gradient_checkpointing``
+    around every reference forward and rollout batch, so each DPO, KTO and GRPO run printed "`is_gradient_checkpointing`
+    is deprecated" on every rank, a warning no user can act on. `UPSTREAM` checks that TRL still reads the old name.
+    Remove when: TRL reads ``is_activation_checkpointing``.
+    """
+    with checkpointing_alias_quiet():
+        yield
 
 
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)

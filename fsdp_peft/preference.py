@@ -23,7 +23,7 @@ from datasets import load_from_disk
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from fsdp_peft._compat import fsdp2_accumulation_skips_ungathered_parameters
+from fsdp_peft._compat import fsdp2_accumulation_skips_ungathered_parameters, trl_without_the_checkpointing_warning
 from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.ending import end_run
@@ -57,13 +57,19 @@ class ReferenceWithoutCopy:
     def __init__(self, model, *args, **kwargs):
         fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
         dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-        super().__init__(model, *args, **kwargs)
+        with trl_without_the_checkpointing_warning():  # DPO may compute the reference log-probs here
+            super().__init__(model, *args, **kwargs)
         if "ref" in self.model.peft_config:
             self.model.delete_adapter("ref")
         for name, parameter in self.model.named_parameters():
             if name in dtypes and parameter.dtype != dtypes[name]:
                 parameter.data = parameter.data.to(dtypes[name])
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def compute_loss(self, *args, **kwargs):
+        """TRL's loss, without the FutureWarning its reference forward raises (`fsdp_peft._compat`)."""
+        with trl_without_the_checkpointing_warning():
+            return super().compute_loss(*args, **kwargs)
 
 
 class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):

@@ -24,6 +24,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from fsdp_peft._compat import trl_without_the_checkpointing_warning
 from fsdp_peft.config import RL, RecipeArguments
 from fsdp_peft.data.formats import Example, held_out_example, source_examples
 from fsdp_peft.data.sources import data_sources
@@ -68,6 +69,11 @@ class RolloutTrainer(ReferenceWithoutCopy, PeftFsdpMixin, GRPOTrainer):
             return super()._generate_single_turn(*arguments)
         with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget)):
             return super()._generate_single_turn(*arguments)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollouts and scores, without the FutureWarning its checkpointing switches raise (in `_compat`)."""
+        with trl_without_the_checkpointing_warning():
+            return super()._generate_and_score_completions(inputs)
 
 
 def grpo_arguments(recipe: RecipeArguments) -> tuple[type, dict]:

@@ -148,7 +148,7 @@ def sampled_runs(tmp_path_factory, sft_start):
     common[common.index("--max_steps") + 1] = "4"
     gathered, stock = tmp_path_factory.mktemp("gathered"), tmp_path_factory.mktemp("stock")
     harness = ["--eval_tasks", "tiny_reverse_em", "--eval_tasks_steps", "2"]
-    launch_recipe(
+    printed = launch_recipe(
         "llama_grpo", "--output_dir", str(gathered), *common, "--save_strategy", "steps", "--save_steps", "2", *harness
     )
     launch_recipe("llama_grpo", "--output_dir", str(stock), *common, "--generate_gather_budget", "none")
@@ -157,7 +157,8 @@ def sampled_runs(tmp_path_factory, sft_start):
     launch_recipe(
         "llama_grpo", "--output_dir", str(resumed), *common, "--resume_from_checkpoint", str(resumed / "checkpoint-2")
     )
-    return {"gathered": gathered, "stock": stock, "resumed": resumed}
+    printed = printed.stdout + printed.stderr
+    return {"gathered": gathered, "stock": stock, "resumed": resumed, "printed": printed}
 
 
 def _metrics(entry: dict) -> dict:
@@ -174,6 +175,16 @@ def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs)
     assert sorted(got) == [1, 2, 3, 4]
     assert {s: _metrics(e) for s, e in got.items()} == {s: _metrics(e) for s, e in want.items()}
     assert len({e["reward"] for e in got.values()}) > 1  # the policy moved: rewards are not one constant
+
+
+@pytest.mark.slow
+def test_a_grpo_run_prints_no_future_or_deprecation_warning(sampled_runs):
+    """TRL reads transformers' deprecated ``is_gradient_checkpointing`` around every rollout batch; the recipe's
+    trainer silences that one warning (`fsdp_peft._compat.trl_rollouts_without_the_checkpointing_warning`)."""
+    warned = [line for line in sampled_runs["printed"].splitlines() if "Warning" in line and "deprecat" in line.lower()]
+    assert "FutureWarning" not in sampled_runs["printed"] and "DeprecationWarning" not in sampled_runs["printed"], (
+        warned
+    )
 
 
 @pytest.mark.slow
