@@ -639,3 +639,13 @@ def test_every_link_between_the_pages_and_into_them_resolves():
         if not resolved.exists() or (anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved)):
             broken.append(f"{_where(source)}: {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readmes_layout_names_every_module_of_the_package():
+    """A newcomer finds every module of ``fsdp_peft/`` (and each subpackage) in the README's layout table."""
+    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = [p for p in (REPO / "fsdp_peft").glob("*.py") if p.name != "__init__.py"]
+    packages = [p for p in (REPO / "fsdp_peft").iterdir() if (p / "__init__.py").is_file()]
+    missing = [p.name for p in modules if f"fsdp_peft/{p.name}" not in layout]
+    missing += [p.name for p in packages if f"fsdp_peft/{p.name}/" not in layout]
+    assert not missing, f"README's layout table does not name: {missing}"
