@@ -1,4 +1,4 @@
-"""How every procedure ends (SFT, preference): one function, the same steps in the same order.
+"""How every procedure ends (SFT, preference: DPO and KTO, GRPO): one function, the same steps in the same order.
 
 save the adapter (collective) → trainer state → the procedure's held-out measurements (collective: FSDP
 forwards run on every rank) → the recipe's ``eval_tasks`` (collective: the harness on every rank's shard) →

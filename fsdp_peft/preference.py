@@ -1,4 +1,5 @@
-"""Preference tuning (DPO) through TRL's `DPOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
+"""Preference tuning (DPO through TRL's `DPOTrainer`, KTO through its `KTOTrainer`), with the SFT trainer's FSDP
+behaviour for PEFT.
 
 parse config → claim output_dir → tokenizer → preference data (every row checked, before any weights load) →
 model and adapters → trainer → held-out preference before → train → save adapter → held-out preference after →

@@ -4,8 +4,9 @@ parse config → claim output_dir → tokenizer → data (every row checked, bef
 and adapters → trainer → accuracy before → train → save adapter → evaluate → generate from the sharded
 model → report (summary, ``results.json``, loss curve). A start that fails before the first optimizer step
 leaves ``output_dir`` as it found it (`fsdp_peft.runs`).
-Recipes differ only in their default config (``configs/<recipe>/tiny.yaml``), so they share this one
-function; model families differ only in their entry in `fsdp_peft.families`.
+The SFT recipes differ only in their default config (``configs/<recipe>/tiny.yaml``), so they share this one
+function; model families differ only in their entry in `fsdp_peft.families`. The preference and GRPO recipes
+run their own procedures (`fsdp_peft.preference`, `fsdp_peft.rl`), which start as this one does (`start_training`).
 """
 
 from __future__ import annotations

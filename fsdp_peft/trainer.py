@@ -50,8 +50,9 @@ from fsdp_peft.xla import (
 class PeftFsdpMixin:
     """FSDP settings for PEFT, real FSDP in the CPU mode, complete checkpoints and adapter saving.
 
-    Mixed in before `transformers.Trainer` or a trainer built on it (TRL's `DPOTrainer`): the recipes'
-    trainers share this one behaviour (`PeftFsdpTrainer`, `fsdp_peft.preference.PreferenceTrainer`).
+    Mixed in before `transformers.Trainer` or a trainer built on it (TRL's `DPOTrainer`, `KTOTrainer`,
+    `GRPOTrainer`): the recipes' trainers share this one behaviour (`PeftFsdpTrainer`,
+    `fsdp_peft.preference.PreferenceTrainer` and `UnpairedPreferenceTrainer`, `fsdp_peft.rl.RolloutTrainer`).
     """
 
     head_read_directly = False  # the loss reads the output head's weight without calling it (TRL's fused head)

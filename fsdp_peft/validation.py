@@ -1,7 +1,8 @@
 """Every rule a recipe config must satisfy, checked before any process group, model or data is touched.
 
 Each rule is a small function returning a problem message (key, value, rule, fix) or ``None``. `RULES` is the
-one list of them, each with the procedures it guards (SFT, preference); `check_before_training` runs a
+one registry of them (the variants' and mixtures of experts' rules included), each with the procedures it guards
+(SFT, preference, RL); `check_before_training` runs a
 procedure's rules for the recipe and for ``fsdp-peft validate`` alike, and reports every problem at once.
 """
 

@@ -217,6 +217,12 @@ INSTEAD: dict[str, Run] = {
         "grep -qxF 'pip install -e \".[test]\" && python -m pytest -q' .ci/run",
         why="is this test suite: .ci/run runs the documented line verbatim",
     ),
+    "lm_eval --model hf --model_args pretrained=outputs/llama_lora_tiny/merged --include_path fsdp_peft/harness_tasks "
+    "--tasks tiny_reverse_em --batch_size 16 --apply_chat_template": Run(
+        "lm_eval --model hf --model_args pretrained=outputs/llama_lora_tiny/merged --include_path "
+        f"{REPO}/fsdp_peft/harness_tasks --tasks tiny_reverse_em --batch_size 16 --apply_chat_template",
+        why="the harness's own command as written; its task directory is the checkout's (no fsdp_peft/ in workspaces)",
+    ),
     "$EDITOR my.yaml": Run(
         "fsdp-peft validate my.yaml",
         (("my.yaml", _edited(MY_YAML, "lora_r: 16 ", "lora_r: 8 ")),),
