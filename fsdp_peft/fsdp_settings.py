@@ -159,6 +159,12 @@ def _unique_pairs(pairs: list) -> dict:
     return dict(pairs)
 
 
+def asks_for_xla(training: dict) -> bool:
+    """Whether the recipe's ``fsdp_config`` turns on an XLA key: the TPU route (`fsdp_peft.xla`)."""
+    config = _read_fsdp_config(training.get("fsdp_config"))
+    return any(config.get(key) or config.get(f"fsdp_{key}") for key in XLA_KEYS)
+
+
 def _read_fsdp_config(value) -> dict:
     """``fsdp_config`` as a mapping: given inline, as a JSON text, or as the path of a JSON (or YAML) file."""
     if value is None:

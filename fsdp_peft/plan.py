@@ -31,7 +31,7 @@ from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE, RL, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
-from fsdp_peft.fsdp_settings import fsdp_settings, trainer_fsdp_arguments
+from fsdp_peft.fsdp_settings import asks_for_xla, fsdp_settings, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.moe import EXPERTS_MODULE, expert_count, expert_width, experts_per_token
@@ -40,7 +40,7 @@ from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import known_model_config, resolve_model_path
 from fsdp_peft.validation import check_keys, layer_checkpointing, mixed_precision_dtype
 from fsdp_peft.variants import stored_weight
-from fsdp_peft.xla import xla_plan
+from fsdp_peft.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
 
 GIB = 2**30
 # TRL 1.16's fused log-prob head, which its DPO and KTO trainers use: one projection tile of at most this many
@@ -372,8 +372,14 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
 
     FSDP and mixed-precision settings come from the YAML or, under an accelerate config, from the
     ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
+    A config whose ``fsdp_config`` asks for the TPU route is planned as on XLA (chips as ranks) wherever it runs.
     """
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
+    if asks_for_xla(training) and not on_xla():  # a TPU config: planned per chip wherever it is planned
+        with xla_assumed():
+            plan = plan_memory(config_path, world_size, gpu_memory)
+        plan.notes.append(f"planned for the TPU route its fsdp_config asks for ({DEVICE_VARIABLE} is not set here)")
+        return plan
     check_keys(recipe, training)
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 1:

@@ -16,6 +16,7 @@ QLoRA (bitsandbytes has no XLA backend) and the torch-FSDP keys are refused befo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import Iterable
@@ -30,6 +31,19 @@ DEVICE_VARIABLE = "PJRT_DEVICE"
 def on_xla() -> bool:
     """Whether this run trains on XLA devices: ``PJRT_DEVICE`` names the PJRT runtime (TPU, or CPU in tests)."""
     return bool(os.environ.get(DEVICE_VARIABLE))
+
+
+@contextlib.contextmanager
+def xla_assumed():
+    """Inside, `on_xla` holds (``PJRT_DEVICE=TPU`` unless already set), so a TPU config can be planned anywhere."""
+    if on_xla():
+        yield
+        return
+    os.environ[DEVICE_VARIABLE] = "TPU"
+    try:
+        yield
+    finally:
+        os.environ.pop(DEVICE_VARIABLE, None)
 
 
 def torch_xla_installed() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -186,8 +187,7 @@ def test_plan_prints_a_table_for_every_shipped_config_without_network(config, ca
     monkeypatch.setattr(paths, "local_model_config", nothing_downloaded)
     monkeypatch.setattr(planner, "AutoConfig", NoHub)
     gpus = ["--gpus", "2"]
-    if config.name.startswith("tpu_"):  # planned for its TPU chips, as docs/tpu.md shows
-        monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    if config.name.startswith("tpu_"):  # planned for its TPU chips (without PJRT_DEVICE: the route is assumed)
         gpus = ["--gpus", "8", "--gpu-memory", "16GiB"]
     try:
         main(["plan", str(config), *gpus])
@@ -195,6 +195,24 @@ def test_plan_prints_a_table_for_every_shipped_config_without_network(config, ca
         assert exited.code == 1, capsys.readouterr().err  # 1: does not fit, said in the table's last line
     out = capsys.readouterr().out
     assert "parameters" in out and out.strip().splitlines()[-1].startswith(("fits in ", "does not fit in "))
+
+
+@pytest.mark.parametrize("config", ["tpu_v5e_8.yaml", "tpu_v5p_8.yaml"])
+def test_a_tpu_config_is_planned_per_chip_without_an_xla_device(config, monkeypatch):
+    """Planning comes before renting the TPU: without ``PJRT_DEVICE`` the TPU configs are planned as on XLA (chips as
+    ranks, SPMD), exactly what the plan gives with it set, and the plan says it assumed the route."""
+    path = REPO / "configs" / "llama_lora" / config
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    anywhere = plan_memory(path, 8, 16 * 2**30)
+    assert "PJRT_DEVICE" not in os.environ  # set for the plan alone
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    on_tpu = plan_memory(path, 8, 16 * 2**30)
+    assert anywhere.fsdp == on_tpu.fsdp == "XLA FSDP v2 (SPMD)"
+    assert anywhere.gpu_total == on_tpu.gpu_total
+    assert anywhere.notes == [
+        *on_tpu.notes,
+        "planned for the TPU route its fsdp_config asks for (PJRT_DEVICE is not set here)",
+    ]
 
 
 def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_its_bf16_bytes():
