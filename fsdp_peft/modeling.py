@@ -32,6 +32,7 @@ from fsdp_peft._compat import (
 from fsdp_peft.adapter_files import find_adapter
 from fsdp_peft.attention import architecture_problem, chosen_attention
 from fsdp_peft.config import RecipeArguments
+from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
@@ -89,8 +90,8 @@ def start_from_trained_adapter(peft_model, source: Path) -> None:
                 f"adapter_name_or_path: {adapter.origin} was trained with {recipe_key} {adapter.config.get(key)}, "
                 f"this recipe has {ours}; set {recipe_key}: {adapter.config.get(key)} to continue from it"
             )
-    dtypes = {name: p.dtype for name, p in peft_model.named_parameters() if p.requires_grad}
-    loaded = set_peft_model_state_dict(peft_model, adapter.tensors)
+    with trainable_dtypes_kept(peft_model):  # the adapter's tensors take the dtypes the recipe chose
+        loaded = set_peft_model_state_dict(peft_model, adapter.tensors)
     missing = [key for key in loaded.missing_keys if "lora_" in key]
     if missing or loaded.unexpected_keys:
         names = (missing or loaded.unexpected_keys)[:2]
@@ -98,9 +99,6 @@ def start_from_trained_adapter(peft_model, source: Path) -> None:
             f"adapter_name_or_path: {adapter.origin} does not fit this recipe's LoRA modules "
             f"({'missing' if missing else 'unexpected'}: {', '.join(names)}); use the lora_target_modules it had"
         )
-    for name, parameter in peft_model.named_parameters():
-        if name in dtypes and parameter.dtype != dtypes[name]:
-            parameter.data = parameter.data.to(dtypes[name])
 
 
 def local_device() -> torch.device:

@@ -27,6 +27,7 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from fsdp_peft._compat import fsdp2_accumulation_skips_ungathered_parameters, trl_without_the_checkpointing_warning
 from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
+from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.ending import end_run
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.log import configure_for_training
@@ -57,14 +58,10 @@ class ReferenceWithoutCopy:
 
     def __init__(self, model, *args, **kwargs):
         fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
-        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-        with trl_without_the_checkpointing_warning():  # DPO may compute the reference log-probs here
-            super().__init__(model, *args, **kwargs)
+        with trl_without_the_checkpointing_warning(), trainable_dtypes_kept(model):  # TRL casts adapters to bf16
+            super().__init__(model, *args, **kwargs)  # (DPO may compute the reference log-probs here)
         if "ref" in self.model.peft_config:
             self.model.delete_adapter("ref")
-        for name, parameter in self.model.named_parameters():
-            if name in dtypes and parameter.dtype != dtypes[name]:
-                parameter.data = parameter.data.to(dtypes[name])
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def compute_loss(self, *args, **kwargs):

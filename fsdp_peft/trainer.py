@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from fsdp_peft._compat import fsdp1_adapter_checkpoints, trainer_peft_update_skipped, xla_fsdp_optimizer_created
+from fsdp_peft._compat import fsdp1_adapter_checkpoints
 from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
 from fsdp_peft.cpu_fsdp import (
     cpu_fsdp_requested,
@@ -26,22 +26,19 @@ from fsdp_peft.cpu_fsdp import (
 )
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
-from fsdp_peft.fsdp_layout import FsdpLayoutReport, is_sharded, unit_name
-from fsdp_peft.fsdp_policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
+from fsdp_peft.fsdp_layout import FsdpLayoutReport, unit_name
 from fsdp_peft.fsdp_settings import fsdp_settings
-from fsdp_peft.loading import pending_checkpoint, weights_loaded_after_sharding
+from fsdp_peft.loading import pending_checkpoint
 from fsdp_peft.log import logger
 from fsdp_peft.loss import causal_lm_of, chunked_loss_unavailable, head_computes_loss
 from fsdp_peft.memory import MemoryReport
 from fsdp_peft.moe import RouterAuxLoss, router_aux_loss_weight
 from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
 from fsdp_peft.runs import Run, RunBegins
+from fsdp_peft.shard import shard
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
-    expose_generate,
     load_spmd_checkpoint,
-    prepare_for_xla_fsdp,
-    sharding_summary,
     unwrap_xla_fsdp,
     xla_trainable_state_dict,
 )
@@ -101,21 +98,8 @@ class PeftFsdpMixin:
             super()._move_model_to_device(model, device)
 
     def _prepare_for_training(self, *args, **kwargs):
-        if self.is_fsdp_enabled and not is_sharded(self.model):
-            configure_fsdp_for_peft(self.model, self.accelerator, self.fsdp_reduce_dtype, self.head_read_directly)
-        if self.is_fsdp_xla_enabled:
-            prepare_for_xla_fsdp(self.model, self.args, decoder_layer_classes(self.model))
-        with (
-            trainer_peft_update_skipped(),
-            xla_fsdp_optimizer_created(self),
-            weights_loaded_after_sharding(self.model, self.accelerator),
-        ):
-            prepared = super()._prepare_for_training(*args, **kwargs)
-        register_generate(self.model)
-        if self.is_fsdp_xla_enabled:
-            expose_generate(self.model)
-            logger.info(sharding_summary(self.model, self.args.fsdp_config))
-        return prepared
+        """Trainer's preparation as the middle of the sharding step (`fsdp_peft.shard`)."""
+        return shard(self, lambda: super(PeftFsdpMixin, self)._prepare_for_training(*args, **kwargs))
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, made visible only when complete, plus adapter config and recipe for export.
