@@ -124,14 +124,15 @@ def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int, pairs_pat
     columns = [c for c in ("prompt_ids", "chosen_ids", "rejected_ids") if c in dataset.column_names]
     rows = dataset.select_columns(columns)
     policy, reference = [], []
-    try:
-        for start in range(0, len(rows), batch_size):
-            batch = trainer.data_collator([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
-            batch = {key: value.to(device) for key, value in batch.items()}
-            reference.append(torch.stack(trainer.compute_ref_log_probs(model, batch), dim=1).float().cpu())
-            policy.append(torch.stack(policy_log_probs(trainer, model, batch), dim=1).float().cpu())
-    finally:
-        model.train(was_training)
+    with trl_without_the_checkpointing_warning():  # TRL's reference forward reads a deprecated name (_compat)
+        try:
+            for start in range(0, len(rows), batch_size):
+                batch = trainer.data_collator([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+                batch = {key: value.to(device) for key, value in batch.items()}
+                reference.append(torch.stack(trainer.compute_ref_log_probs(model, batch), dim=1).float().cpu())
+                policy.append(torch.stack(policy_log_probs(trainer, model, batch), dim=1).float().cpu())
+        finally:
+            model.train(was_training)
     policy, reference = torch.cat(policy), torch.cat(reference)
     rewards = trainer.beta * (policy - reference)
     margin = rewards[:, 0] - rewards[:, 1]
