@@ -462,7 +462,8 @@ def _checked() -> bool:
     problems = [upstream_problem(e) for e in checked if not (xla_environment and e.package == "torch")]
     if os.environ.get(UNVERIFIED_VARIABLE) != "1":  # lifts the release windows; the symbols are still checked
         problems = [version_problem(p) for p in verified_releases()] + problems
-        problems += [p.window_problem() for p in PATCHES if not (xla_environment and p.package == "torch")]
+        patches = [p for p in PATCHES if p.package != "trl" or "trl" in sys.modules]  # trl's: where it is imported
+        problems += [p.window_problem() for p in patches if not (xla_environment and p.package == "torch")]
     problems = [problem for problem in problems if problem]
     if problems:
         raise CompatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
@@ -1064,7 +1065,7 @@ def cpu_4bit_dequantization_block_aligned() -> None:
     library = torch.library.Library("bitsandbytes", "IMPL")
     with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
         warnings.simplefilter("ignore")
-        library.impl(DEQUANTIZE_4BIT.split("::")[1], block_aligned, "CPU", with_keyset=True)
+        library.impl(DEQUANTIZE_4BIT.split("::")[1], block_aligned, "CPU", with_keyset=True, allow_override=True)
     _CPU_DEQUANTIZATION.update(original=original, library=library)
 
 

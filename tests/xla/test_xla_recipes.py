@@ -216,7 +216,7 @@ def test_the_optimizer_fix_is_needed_and_applies(tmp_path):
     """Without `xla_fsdp_optimizer_created`, transformers 5.24 fails before the first step (the fix is still
     needed); the runs above train with it (it applies)."""
     unpatched = (
-        "import contextlib, runpy, sys; import fsdp_peft.trainer as t; "
+        "import contextlib, runpy, sys; import fsdp_peft.shard as t; "
         "t.xla_fsdp_optimizer_created = lambda trainer: contextlib.nullcontext(); "
         f"sys.argv = [{RECIPE!r}, '--output_dir', {str(tmp_path / 'out')!r}, *{[*RUN, *SPMD, *NO_SAMPLES]!r}]; "
         f"runpy.run_path({RECIPE!r}, run_name='__main__')"
