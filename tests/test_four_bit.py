@@ -36,25 +36,16 @@ def quantized(shape, quant_type="nf4", double_quant=True, blocksize=64, storage=
     return weight, packed, state
 
 
-def bitsandbytes_flat(packed: torch.Tensor, state) -> torch.Tensor:
-    """bitsandbytes' own CPU kernel (not the patched one) on the values as one flat row, viewed in the shape."""
+def bitsandbytes_own(packed: torch.Tensor, state, flat: bool = False) -> torch.Tensor:
+    """bitsandbytes' own CPU kernel (not the patched one) asked for the tensor's shape, or (``flat``) for its values as
+    one flat row, viewed in the shape."""
     absmax = state.absmax
     if state.nested:
         absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
     kernel = _compat.bitsandbytes_cpu_dequantize_4bit()
-    count = state.shape.numel()
-    flat = kernel.call_boxed(CPU_KEYS, packed, absmax.float(), state.blocksize, state.quant_type, [count], state.dtype)
-    return flat.view(state.shape)
-
-
-def bitsandbytes_shaped(packed: torch.Tensor, state) -> torch.Tensor:
-    """bitsandbytes' own CPU kernel (not the patched one) asked for the tensor's shape."""
-    absmax = state.absmax
-    if state.nested:
-        absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    kernel = _compat.bitsandbytes_cpu_dequantize_4bit()
-    shape = list(state.shape)
-    return kernel.call_boxed(CPU_KEYS, packed, absmax.float(), state.blocksize, state.quant_type, shape, state.dtype)
+    asked = [state.shape.numel()] if flat else list(state.shape)
+    values = kernel.call_boxed(CPU_KEYS, packed, absmax.float(), state.blocksize, state.quant_type, asked, state.dtype)
+    return values.view(state.shape)
 
 
 def test_the_code_books_are_their_definitions():
@@ -90,7 +81,7 @@ def test_the_reference_reproduces_bitsandbytes_flat_round_trip_and_the_patched_s
     weight, packed, state = quantized(shape, quant_type, double_quant, blocksize, storage, dtype)
     want = decode(packed, state)
     assert want.dtype == dtype and want.shape == weight.shape
-    assert torch.equal(bitsandbytes_flat(packed, state), want)
+    assert torch.equal(bitsandbytes_own(packed, state, flat=True), want)
     assert torch.equal(bnb_functional.dequantize_4bit(packed, state), want)
 
 
@@ -105,7 +96,7 @@ def test_without_the_workaround_bitsandbytes_cpu_kernel_misplaces_block_scales(s
     where a right round trip is 0.09-0.10); patched, they are the reference's."""
     weight, packed, state = quantized(shape)
     want = decode(packed, state)
-    unpatched = bitsandbytes_shaped(packed, state)
+    unpatched = bitsandbytes_own(packed, state)
     assert not torch.equal(unpatched, want)
     print(f"{shape}: unpatched {relative_error(unpatched, weight):.3f}, reference {relative_error(want, weight):.3f}")
     assert relative_error(unpatched, weight) > 1.5 * relative_error(want, weight)
@@ -118,7 +109,7 @@ def test_without_the_workaround_bitsandbytes_cpu_kernel_misplaces_block_scales(s
 def test_the_kernel_is_right_on_the_other_shapes_and_the_patch_keeps_its_values(shape):
     weight, packed, state = quantized(shape)
     want = decode(packed, state)
-    assert torch.equal(bitsandbytes_shaped(packed, state), want)
+    assert torch.equal(bitsandbytes_own(packed, state), want)
     assert torch.equal(bnb_functional.dequantize_4bit(packed, state), want)
     assert relative_error(want, weight) <= NF4_ROUND_TRIP
 
