@@ -95,7 +95,7 @@ def timed_recipe(result_path: str) -> None:
             return completion_ids, logprobs
 
     rl.RolloutTrainer = TimedRollouts
-    run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.run_grpo)
+    run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.GRPO_PROCEDURE)
 
 
 def run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,6 +289,13 @@ class _Parser(HfArgumentParser):
     def error(self, message: str):
         named = re.match(r"argument --(\w+)(?:/--[\w-]+)*: (.*)", message)
         raise ConfigError(f"{named[1]}: {named[2]}" if named else message)
+
+
+@functools.cache
+def unset_training_values() -> dict:
+    """Each ``TrainingArguments`` value as parsed when neither YAML nor command line sets it (the parser's
+    default, which is not always the field's: ``include_num_input_tokens_seen`` parses as ``False``)."""
+    return vars(_Parser((TrainingArguments,)).parse_args([]))
 
 
 def known_keys() -> list[str]:

@@ -3,8 +3,7 @@
 save the adapter (collective) → trainer state → the procedure's held-out measurements (collective: FSDP
 forwards run on every rank) → the recipe's ``eval_tasks`` (collective: the harness on every rank's shard) →
 merged export (rank 0) → barrier → rank 0 writes ``results.json``, draws the loss curve and prints the summary.
-A procedure supplies only its measurements; its summary lines are rendered here (`SUMMARY_DETAILS`), so one
-`summary` prints any run's ``results.json``.
+A procedure supplies only its measurements and its own summary lines (`fsdp_peft.procedure.Procedure`).
 """
 
 from __future__ import annotations
@@ -14,11 +13,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fsdp_peft.config import PREFERENCE, RL, SFT
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
+from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE
 
 PREFIX = "[fsdp-peft] "
 
@@ -27,21 +25,24 @@ def end_run(
     trainer,
     recipe,
     name: str,
-    procedure: str,
+    procedure,
     started: float,
     train_output,
     measure: Callable[[Path], dict],
+    harness_during=None,
 ) -> dict | None:
     """Finish a trained run (every rank calls it); returns the results dict on rank 0 (``None`` elsewhere).
 
     ``measure(output_dir)`` runs on every rank after the adapter is saved and returns the procedure's results
-    (rank 0's go into ``results.json``); ``procedure`` (a key of `SUMMARY_DETAILS`) names the lines that print them.
+    (rank 0's go into ``results.json``); ``procedure`` (`fsdp_peft.procedure.Procedure`) names them and prints
+    its own summary lines of them. ``harness_during``: the run's `fsdp_peft.evaluation.HarnessDuringTraining`, when
+    ``eval_tasks_steps`` made one.
     """
     output_dir = Path(trainer.args.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()
     measured = measure(output_dir)
-    harness = harness_at_the_end(trainer, adapter_dir, output_dir) if recipe.eval_tasks else None
+    harness = harness_at_the_end(trainer, harness_during, adapter_dir, output_dir) if recipe.eval_tasks else None
     merged_dir = output_dir / "merged"
     if recipe.export_merged and trainer.is_world_process_zero():
         base = resolve_model_path(recipe.model_name_or_path)
@@ -52,7 +53,7 @@ def end_run(
     log_history = trainer.state.log_history
     results = {
         "recipe": name,
-        "procedure": procedure,
+        "procedure": procedure.name,
         "train_loss": train_output.training_loss,
         **measured,
         "adapter_dir": str(adapter_dir),
@@ -68,14 +69,15 @@ def end_run(
         "eval_tasks_during": harness_history(log_history),
     }
     (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1))
-    for line in summary(results, output_dir).splitlines():
+    for line in summary(results, output_dir, procedure.summary_lines).splitlines():
         logger.info(line.removeprefix(PREFIX))
     return results
 
 
-def summary(results: dict, output_dir: Path) -> str:
+def summary(results: dict, output_dir: Path, procedure_lines: Callable[[dict, Path], list[str]]) -> str:
     """The lines a user reads at the end of a run: steps and time, loss, the procedure's own lines
-    (``results["procedure"]``, SFT when absent), then where the files are."""
+    (``procedure_lines(results, output_dir)``: `fsdp_peft.procedure.Procedure.summary_lines`), then where the
+    files are."""
     tokens = ""  # SFT counts the tokens trained on; the preference trainers do not
     if "tokens" in results:
         tokens = f"{results['tokens']:,} tokens, " if results["tokens"] else "n/a tokens, "
@@ -85,8 +87,7 @@ def summary(results: dict, output_dir: Path) -> str:
         f"({results['total_seconds']:.1f} s in all)",
         f"{results.get('loss_name', 'train')} loss {results['train_loss']:.4f} (mean over the run){last}",
     ]
-    details = SUMMARY_DETAILS.get(results.get("procedure", SFT))
-    lines += details(results, output_dir) if details else []
+    lines += procedure_lines(results, output_dir)
     lines += harness_lines(results)
     lines.append(f"adapter: {results['adapter_dir']}")
     if results["merged_dir"]:
@@ -96,10 +97,9 @@ def summary(results: dict, output_dir: Path) -> str:
     return "\n".join(PREFIX + line for line in lines)
 
 
-def harness_at_the_end(trainer, adapter_dir: Path, output_dir: Path) -> dict | None:
+def harness_at_the_end(trainer, during, adapter_dir: Path, output_dir: Path) -> dict | None:
     """The run's ``eval_tasks`` on the trained model (collective: every rank scores its share on its shard), or the
     evaluation ``eval_tasks_steps`` made of these same weights at the last step; rank 0's ``eval.json`` content."""
-    during = trainer.harness_during_training
     if during is not None and during.latest is not None and during.latest[0] == trainer.state.global_step:
         logger.info(f"harness tasks on the trained model: as evaluated at step {during.latest[0]} (the same weights)")
         return during.latest[1]
@@ -146,76 +146,6 @@ def harness_lines(results: dict) -> list[str]:
 
 def _figures(figures: dict) -> str:
     return ", ".join(f"{metric} {value:.4g}" for metric, value in figures.items() if metric != "samples")
-
-
-def sft_details(results: dict, output_dir: Path) -> list[str]:
-    """An SFT run's own summary lines: eval loss, exact match before and after training, the samples' file."""
-    lines = []
-    if results["eval_loss"] is not None:
-        lines.append(f"eval loss {results['eval_loss']:.4f}")
-    if results["exact_match_after"] is not None:
-        before = results["exact_match_before"]
-        before_text = "n/a (resumed)" if before is None else f"{before:.3f}"
-        lines.append(
-            f"exact match on {results['generated_samples']} held-out prompts: "
-            f"before training {before_text}, after {results['exact_match_after']:.3f}"
-        )
-        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
-    return lines
-
-
-def preference_details(results: dict, output_dir: Path) -> list[str]:
-    """A preference run's own summary lines: held-out rewards and greedy generation, before and after."""
-    lines = []
-    before, after = results["preference_before"], results["preference_after"]
-    if after is not None:
-        lines.append(f"held-out pairs: {after['pairs']} (reward = beta x (policy - reference log-prob))")
-        for key, label in (
-            ("reward_accuracy", "reward accuracy (chosen reward higher; ties half)"),
-            ("margin", "reward margin (chosen - rejected)"),
-            ("logp_chosen", "log-prob of chosen"),
-            ("logp_rejected", "log-prob of rejected"),
-        ):
-            shown = "n/a (resumed)" if before is None else f"{before[key]:.3f}"
-            lines.append(f"  {label}: before {shown}, after {after[key]:.3f}")
-    generation_before, generation_after = results["generation_before"], results["generation_after"]
-    if generation_after is not None:
-        shown = "n/a (resumed)" if generation_before is None else _closer_to(generation_before)
-        lines.append(f"greedy generation on {generation_after['prompts']} held-out prompts, closer to chosen/rejected:")
-        lines.append(f"  before {shown}; after {_closer_to(generation_after)}")
-        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
-    return lines
-
-
-def rl_details(results: dict, output_dir: Path) -> list[str]:
-    """A GRPO run's own summary lines: greedy completions of the held-out prompts scored, before and after."""
-    before, after = results["held_out_before"], results["held_out_after"]
-    if after is None:
-        return []
-    lines = [f"held-out prompts: {after['prompts']} (greedy completions)"]
-    scores = [("exact match", before and before["exact_match"], after["exact_match"])]
-    scores += [
-        (f"reward {name}", before and before["rewards"][name], value) for name, value in after["rewards"].items()
-    ]
-    for label, was, now in scores:
-        shown = "n/a (resumed)" if before is None else "n/a" if was is None else f"{was:.3f}"
-        lines.append(f"  {label}: before {shown}, after {'n/a' if now is None else f'{now:.3f}'}")
-    lines.append(f"samples: {output_dir / SAMPLES_FILE}")
-    return lines
-
-
-def _closer_to(generation: dict) -> str:
-    return (
-        f"{generation['chosen']:.3f} / {generation['rejected']:.3f} (exactly chosen {generation['exact_chosen']:.3f})"
-    )
-
-
-# ``results["procedure"]`` → the lines its summary prints between the loss line and the files
-SUMMARY_DETAILS: dict[str, Callable[[dict, Path], list[str]]] = {
-    SFT: sft_details,
-    PREFERENCE: preference_details,
-    RL: rl_details,
-}
 
 
 def last_logged(log_history: list[dict], key: str) -> float | None:

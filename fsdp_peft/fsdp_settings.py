@@ -406,13 +406,29 @@ def fsdp_settings(training) -> FsdpSettings | None:
     )
 
 
-def fsdp_settings_for_rules(training: dict) -> FsdpSettings | None:
-    """`fsdp_settings` for the validation rules: ``None`` also when the settings do not resolve (the rule
-    ``_fsdp_settings_resolve`` reports that once; the others then have nothing to check)."""
+@dataclass(frozen=True)
+class RuleContext:
+    """What every configuration rule reads (`fsdp_peft.validation.RULES`: ``rule(context) -> problem or None``),
+    computed once per validation: the FSDP settings are resolved here once, however many rules read them."""
+
+    recipe: Any  # `fsdp_peft.config.RecipeArguments`
+    training: dict  # the ``TrainingArguments`` values
+    procedure: str  # `fsdp_peft.config.SFT`, ``PREFERENCE`` or ``RL``
+    fsdp: FsdpSettings | None  # the resolved FSDP settings; None when FSDP is off or they do not resolve
+    fsdp_problem: str | None = None  # why they do not resolve (one rule reports it; the others skip FSDP)
+
+    @property
+    def fsdp_in_use(self) -> bool:
+        """FSDP is on when the recipe sets ``fsdp`` or the accelerate launcher's config says FSDP."""
+        return self.fsdp is not None or launcher_asks_for_fsdp()
+
+
+def rule_context(recipe, training: dict, procedure: str) -> RuleContext:
+    """The context of one validation: the FSDP settings resolved once."""
     try:
-        return fsdp_settings(training)
-    except ConfigError:
-        return None
+        return RuleContext(recipe, training, procedure, fsdp_settings(training))
+    except ConfigError as error:
+        return RuleContext(recipe, training, procedure, None, str(error))
 
 
 def trainer_values(args) -> dict:
@@ -438,3 +454,13 @@ def trainer_fsdp_arguments(training: dict) -> dict:
     if "transformer_layer_cls_to_wrap" in config:
         config["transformer_layer_cls_to_wrap"] = list(config["transformer_layer_cls_to_wrap"])
     return {"fsdp": True, "fsdp_config": config}
+
+
+def mixed_precision_dtype(training: dict) -> str | None:
+    """The autocast / FSDP parameter dtype from ``bf16``/``fp16`` or the launcher's ``mixed_precision``."""
+    if training.get("bf16"):
+        return "bfloat16"
+    if training.get("fp16"):
+        return "float16"
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(launcher)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
-from fsdp_peft.data import Example, render_example_prompt
+from fsdp_peft.data.formats import Example
+from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.fsdp_layout import is_sharded
 from fsdp_peft.log import logger
@@ -258,22 +259,6 @@ def _complete(model, tokenizer, examples: list[Example], recipe, device: torch.d
 
 def _sample_row(example: Example, completion: str) -> dict:
     return {"prompt": example.prompt, "expected": example.completion, "generated": completion}
-
-
-class ExactMatchBeforeTraining(TrainerCallback):
-    """Scores ``examples`` when training starts: on the prepared (sharded) model, before the first step.
-
-    Scoring there rather than before ``Trainer.train`` means generation always runs on the model as FSDP
-    holds it, also when ranks other than 0 start without weights. A resumed run is not scored again.
-    """
-
-    def __init__(self, tokenizer, examples: list[Example], recipe):
-        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
-        self.accuracy: float | None = None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.examples and state.global_step == 0:
-            self.accuracy = evaluate_exact_match(model, self.tokenizer, self.examples, self.recipe, args.device)
 
 
 class SamplesAtEvaluation(TrainerCallback):

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.adapter_files import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import render_prompt
+from fsdp_peft.data.templates import render_prompt
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import GenerationSettings, generate_completions

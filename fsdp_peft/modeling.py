@@ -35,6 +35,7 @@ from fsdp_peft.config import RecipeArguments
 from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, family_of_model, lora_targets, pad_token_for
+from fsdp_peft.fsdp_settings import mixed_precision_dtype
 from fsdp_peft.loading import low_memory_loading_requested, model_skeleton, pending_checkpoint
 from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of
@@ -48,7 +49,6 @@ from fsdp_peft.residual import (
     prepared_initialisation,
     start_from_initial_adapter,
 )
-from fsdp_peft.validation import mixed_precision_dtype
 from fsdp_peft.variants import (
     lora_config_arguments,
     remember_initial_adapter,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fsdp_peft.families import AUTO_TARGETS, family_for
+from fsdp_peft.fsdp_settings import RuleContext
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE/OLMoE, Mixtral, DeepSeek
 EXPERTS_MODULE = "experts"
@@ -137,7 +138,8 @@ def experts_adapted(recipe) -> bool:
     return bool(recipe.lora_target_parameters) and moe_config(recipe) is not None
 
 
-def _expert_adapters_have_no_dropout(recipe, training) -> str | None:
+def expert_adapters_have_no_dropout(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.lora_dropout and experts_adapted(recipe):
         return (
             f"lora_dropout: {recipe.lora_dropout}: LoRA on expert parameters (lora_target_parameters, peft's "
@@ -147,7 +149,8 @@ def _expert_adapters_have_no_dropout(recipe, training) -> str | None:
     return None
 
 
-def _expert_adapters_are_plain_lora(recipe, training) -> str | None:
+def expert_adapters_are_plain_lora(context: RuleContext) -> str | None:
+    recipe = context.recipe
     variant = "use_dora: true" if recipe.use_dora else None
     if str(recipe.init_lora_weights).lower() not in PLAIN_LORA_INITS:
         variant = f"init_lora_weights: {recipe.init_lora_weights}"
@@ -159,10 +162,10 @@ def _expert_adapters_are_plain_lora(recipe, training) -> str | None:
     return None
 
 
-def _expert_adapters_run_under_fsdp2(recipe, training) -> str | None:
-    from fsdp_peft.fsdp_settings import fsdp_settings_for_rules  # lazy: keeps this module light for the planner
+def expert_adapters_run_under_fsdp2(context: RuleContext) -> str | None:
+    recipe = context.recipe
 
-    settings = fsdp_settings_for_rules(training)
+    settings = context.fsdp
     if settings is not None and settings.version == 1 and experts_adapted(recipe):
         return (
             "fsdp: FSDP1 cannot run LoRA on expert parameters: peft reads their adapter weights without calling the "
@@ -172,7 +175,8 @@ def _expert_adapters_run_under_fsdp2(recipe, training) -> str | None:
     return None
 
 
-def _moe_keys_need_a_mixture_of_experts(recipe, training) -> str | None:
+def moe_keys_need_a_mixture_of_experts(context: RuleContext) -> str | None:
+    recipe = context.recipe
     explicit = recipe.lora_target_parameters not in ([], [AUTO_TARGETS])
     asked = [key for key, on in (("train_router", recipe.train_router), ("lora_target_parameters", explicit)) if on]
     if asked and moe_config(recipe) is None:
@@ -189,10 +193,11 @@ def _moe_keys_need_a_mixture_of_experts(recipe, training) -> str | None:
     return None
 
 
-def _moe_targets_reach_the_experts(recipe, training) -> str | None:
+def moe_targets_reach_the_experts(context: RuleContext) -> str | None:
     """Experts through ``lora_target_parameters`` only (peft would turn ``all-linear`` or the router's name into
     targets of its own choosing, the router among them), and names there that reach expert parameters; read from a
     weightless copy of the model."""
+    recipe = context.recipe
     config = moe_config(recipe)
     if config is None:
         return None
@@ -214,12 +219,3 @@ def _moe_targets_reach_the_experts(recipe, training) -> str | None:
     if unknown:
         return f"lora_target_parameters: {unknown} name no expert parameter of {name}; it has {experts} (auto: all)"
     return None
-
-
-MOE_RULES = [
-    _expert_adapters_have_no_dropout,
-    _expert_adapters_are_plain_lora,
-    _expert_adapters_run_under_fsdp2,
-    _moe_keys_need_a_mixture_of_experts,
-    _moe_targets_reach_the_experts,
-]

@@ -31,14 +31,14 @@ from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE, RL, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
-from fsdp_peft.fsdp_settings import asks_for_xla, fsdp_settings, trainer_fsdp_arguments
+from fsdp_peft.fsdp_settings import asks_for_xla, fsdp_settings, mixed_precision_dtype, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.modeling import load_tokenizer, lora_config
 from fsdp_peft.moe import EXPERTS_MODULE, expert_count, expert_width, experts_per_token
 from fsdp_peft.moe_quantization import layout_for
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import known_model_config, resolve_model_path
-from fsdp_peft.validation import check_keys, layer_checkpointing, mixed_precision_dtype
+from fsdp_peft.validation import check_keys, layer_checkpointing
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
 

@@ -1,73 +1,31 @@
-"""Preference tuning (DPO through TRL's `DPOTrainer`, KTO through its `KTOTrainer`), with the SFT trainer's FSDP
-behaviour for PEFT.
+"""Preference tuning, the procedure of the DPO/KTO recipes (`fsdp_peft.procedure.Procedure`): DPO through TRL's
+`DPOTrainer`, KTO through its `KTOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
 
-parse config → claim output_dir → tokenizer → preference data (every row checked, before any weights load) →
-model and adapters → trainer → held-out preference before → train → save adapter → held-out preference after →
-greedy generation → report. The start (`fsdp_peft.recipe.start_training`), checkpoints, resume, adapter saving
-and the CPU FSDP mode are shared with SFT.
-
-The reference model is the policy itself with its adapter disabled: the same sharded base, no second
-copy (TRL would add a frozen "ref" copy of an adapter it did not create; `PreferenceTrainer` removes
-it). With ``precompute_ref_log_probs`` the reference log-probs are computed once, before training.
+Its data: preference pairs (or rated completions for KTO), every row checked before any weights load. Its
+trainer: TRL's, the reference being the policy itself with its adapter disabled: the same sharded base, no second
+copy (`fsdp_peft.trainer.ReferenceWithoutCopy`). With ``precompute_ref_log_probs`` the reference log-probs are
+computed once, before training. Its score, before and after training: held-out rewards and log-probs, and greedy
+generation compared with both answers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
 from datasets import load_from_disk
-from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from fsdp_peft._compat import fsdp2_accumulation_skips_ungathered_parameters, trl_without_the_checkpointing_warning
+from fsdp_peft._compat import trl_without_the_checkpointing_warning
 from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
-from fsdp_peft.dtypes import trainable_dtypes_kept
-from fsdp_peft.ending import end_run
 from fsdp_peft.generation import GenerationSettings, generate_completions
-from fsdp_peft.log import configure_for_training
-from fsdp_peft.modeling import build_model
-from fsdp_peft.recipe import (
-    parse_recipe_config,
-    start_training,
-)
+from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.run_files import SAMPLES_FILE
 from fsdp_peft.runs import PREFERENCE_DATA_DIR
-from fsdp_peft.trainer import PeftFsdpMixin
+from fsdp_peft.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 from fsdp_peft.validation import KTO_LOSS_TYPES
-
-
-class ReferenceWithoutCopy:
-    """For TRL's `DPOTrainer`, `KTOTrainer` and `GRPOTrainer`: the reference is the adapter-disabled policy,
-    adapters as built.
-
-    Two things their ``__init__`` does to a `PeftModel` built by `fsdp_peft.modeling` are undone: the
-    frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter is the
-    same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
-    `attach_lora` chose, fp32 master weights as in SFT). Their fused log-prob head leaves the output head's
-    FSDP2 unit ungathered, which gradient accumulation under mixed precision needs patched
-    (`fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters`).
-    """
-
-    head_read_directly = True  # FSDP1: the head stays in the root unit (fsdp_peft.fsdp_policies.fsdp1_wrap_policy)
-
-    def __init__(self, model, *args, **kwargs):
-        fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
-        with trl_without_the_checkpointing_warning(), trainable_dtypes_kept(model):  # TRL casts adapters to bf16
-            super().__init__(model, *args, **kwargs)  # (DPO may compute the reference log-probs here)
-        if "ref" in self.model.peft_config:
-            self.model.delete_adapter("ref")
-        self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def compute_loss(self, *args, **kwargs):
-        """TRL's loss, without the FutureWarning its reference forward raises (`fsdp_peft._compat`)."""
-        with trl_without_the_checkpointing_warning():
-            return super().compute_loss(*args, **kwargs)
 
 
 class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):
@@ -96,12 +54,6 @@ def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
         return KTOConfig, {**shared, "loss_type": recipe.loss_type, "train_sampling_strategy": sampling}
     truncation = "keep_end" if recipe.truncation == "left" else "keep_start"
     return DPOConfig, {**shared, "loss_type": [recipe.loss_type], "truncation_mode": truncation}
-
-
-def parse_preference_config(argv: list[str], default_config: Path, default_output_dir: str):
-    """Recipe arguments and TRL's ``DPOConfig`` (or ``KTOConfig``): the training keys plus the preference keys,
-    checked by the rules that guard the preference procedure (`fsdp_peft.validation.RULES`)."""
-    return parse_recipe_config(argv, default_config, default_output_dir, preference_arguments, PREFERENCE)
 
 
 @torch.no_grad()
@@ -219,68 +171,86 @@ def shared_on_disk(dataset, training, name: str):
         return load_from_disk(str(path))
 
 
-class PreferenceBeforeTraining(TrainerCallback):
-    """Held-out preference and greedy generation on the prepared (sharded) model, before the first step."""
-
-    def __init__(self, tokenizer, examples: list[PreferenceExample], recipe: RecipeArguments):
-        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
-        self.trainer: PreferenceTrainer | None = None
-        self.metrics: dict | None = None
-        self.generation: dict | None = None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.trainer is None or state.global_step != 0:
-            return  # a resumed run is not scored again
-        pairs = held_out_pairs(self.trainer.eval_dataset, len(self.examples))
-        path = Path(args.output_dir) / "held_out_before.jsonl"
-        self.metrics = held_out_preference(self.trainer, pairs, args.per_device_eval_batch_size, path)
-        self.generation = generation_preference(model, self.tokenizer, self.examples, self.recipe, args.device, None)
-
-
-def run_preference(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
-    """The DPO procedure of `fsdp_peft.recipe.run_recipe`; returns the results dict on rank 0."""
-    started = time.monotonic()
-    recipe, training = parse_preference_config(
-        sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}"
-    )
-    configure_for_training(training)
-    run, checkpoint, tokenizer = start_training(recipe, training)
-    unpaired = is_unpaired(recipe)
-    train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, unpaired)
-    model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights load
+def _load(recipe: RecipeArguments, tokenizer, training) -> tuple:
+    train_data, eval_data, held_out = load_preference_data(recipe, tokenizer, is_unpaired(recipe))
     if recipe.precompute_ref_log_probs:
         train_data, eval_data = (
             shared_on_disk(d, training, name) for d, name in ((train_data, "train"), (eval_data, "eval"))
         )
-    samples = [] if unpaired else held_out[: recipe.generate_samples]  # held-out scoring compares pairs
-    before = PreferenceBeforeTraining(tokenizer, samples, recipe)
-    trainer = (UnpairedPreferenceTrainer if unpaired else PreferenceTrainer)(
-        model,
-        args=training,
-        train_dataset=train_data,
-        eval_dataset=eval_data,
-        processing_class=tokenizer,
-        fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
-        callbacks=[before],
-        recipe_config=dataclasses.asdict(recipe),
-        run=run,
+    return train_data, eval_data, held_out
+
+
+def _trainer(setup: Setup, shared: dict) -> PreferenceTrainer | UnpairedPreferenceTrainer:
+    train_data, eval_data, _ = setup.data
+    trainer_class = UnpairedPreferenceTrainer if is_unpaired(setup.recipe) else PreferenceTrainer
+    return trainer_class(setup.model, train_dataset=train_data, eval_dataset=eval_data, **shared)
+
+
+def _samples(setup: Setup) -> list[PreferenceExample]:
+    """The held-out pairs scored and completed (none for KTO: held-out scoring compares pairs)."""
+    return [] if is_unpaired(setup.recipe) else setup.data[2][: setup.recipe.generate_samples]
+
+
+def _scores(trainer, setup: Setup, model, name: str, samples_path: Path | None = None) -> dict:
+    """Held-out preference (rewards, log-probs; in ``held_out_<name>.jsonl``) and greedy generation."""
+    samples, training = _samples(setup), setup.training
+    pairs = held_out_pairs(trainer.eval_dataset, len(samples))
+    pairs_path = Path(training.output_dir) / f"held_out_{name}.jsonl"
+    metrics = held_out_preference(trainer, pairs, training.per_device_eval_batch_size, pairs_path)
+    generation = generation_preference(model, setup.tokenizer, samples, setup.recipe, training.device, samples_path)
+    return {"preference": metrics, "generation": generation}
+
+
+def _before(trainer, setup: Setup, model) -> dict:
+    return _scores(trainer, setup, model, "before")
+
+
+def _after(trainer, setup: Setup, before: dict | None, output_dir: Path) -> dict:
+    after = _scores(trainer, setup, trainer.model, "after", output_dir / SAMPLES_FILE)
+    return {
+        "loss_name": "KTO" if is_unpaired(setup.recipe) else "DPO",
+        "preference_before": before and before["preference"],
+        "preference_after": after["preference"],
+        "generation_before": before and before["generation"],
+        "generation_after": after["generation"],
+    }
+
+
+def summary_lines(results: dict, output_dir: Path) -> list[str]:
+    """A preference run's own summary lines: held-out rewards and greedy generation, before and after."""
+    lines = []
+    before, after = results["preference_before"], results["preference_after"]
+    if after is not None:
+        lines.append(f"held-out pairs: {after['pairs']} (reward = beta x (policy - reference log-prob))")
+        for key, label in (
+            ("reward_accuracy", "reward accuracy (chosen reward higher; ties half)"),
+            ("margin", "reward margin (chosen - rejected)"),
+            ("logp_chosen", "log-prob of chosen"),
+            ("logp_rejected", "log-prob of rejected"),
+        ):
+            shown = "n/a (resumed)" if before is None else f"{before[key]:.3f}"
+            lines.append(f"  {label}: before {shown}, after {after[key]:.3f}")
+    generation_before, generation_after = results["generation_before"], results["generation_after"]
+    if generation_after is not None:
+        shown = "n/a (resumed)" if generation_before is None else _closer_to(generation_before)
+        lines.append(f"greedy generation on {generation_after['prompts']} held-out prompts, closer to chosen/rejected:")
+        lines.append(f"  before {shown}; after {_closer_to(generation_after)}")
+        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
+    return lines
+
+
+def _closer_to(generation: dict) -> str:
+    return (
+        f"{generation['chosen']:.3f} / {generation['rejected']:.3f} (exactly chosen {generation['exact_chosen']:.3f})"
     )
-    before.trainer = trainer
 
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
 
-    def measure(output_dir: Path) -> dict:
-        pairs = held_out_pairs(trainer.eval_dataset, len(samples))
-        batch_size = training.per_device_eval_batch_size
-        after = held_out_preference(trainer, pairs, batch_size, output_dir / "held_out_after.jsonl")
-        samples_path = output_dir / SAMPLES_FILE
-        generation = generation_preference(trainer.model, tokenizer, samples, recipe, trainer.args.device, samples_path)
-        return {
-            "loss_name": "KTO" if unpaired else "DPO",
-            "preference_before": before.metrics,
-            "preference_after": after,
-            "generation_before": before.generation,
-            "generation_after": generation,
-        }
-
-    return end_run(trainer, recipe, name, PREFERENCE, started, train_output, measure)
+PREFERENCE_PROCEDURE = Procedure(
+    name=PREFERENCE,
+    load_data=_load,
+    trainer=_trainer,
+    before=_before,
+    after=_after,
+    summary_lines=summary_lines,
+    arguments=preference_arguments,
+)

@@ -1,9 +1,8 @@
 """Online RL (GRPO) through TRL's `GRPOTrainer`, with the SFT trainer's FSDP behaviour and rollouts at unsharded speed.
 
-parse config → claim output_dir → tokenizer → prompts and answers (every row checked) → reward functions
-(imported and tried on the first rows) → model and adapters (optionally from a trained adapter) → trainer →
-held-out exact match and mean reward before → train → save adapter → after → report. The start
-(`fsdp_peft.recipe.start_training`), checkpoints, resume, adapter saving and the CPU FSDP mode are SFT's.
+The procedure of the GRPO recipes (`fsdp_peft.procedure.Procedure`). Its data: prompts and answers (every row
+checked) and the reward functions (imported and tried on the first rows), before any weights load. Its score,
+before and after training: held-out exact match and mean reward of greedy completions.
 
 Rollouts are TRL's own sampling code with the same generation config and random state, run while every FSDP2
 unit stays gathered (`fsdp_peft.generation.parameters_gathered`: one all-gather per ``generate`` call, not one per
@@ -15,13 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import time
 from pathlib import Path
 
-import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from fsdp_peft._compat import trl_without_the_checkpointing_warning
@@ -30,7 +25,6 @@ from fsdp_peft.data.formats import Example, held_out_example, source_examples
 from fsdp_peft.data.sources import data_sources
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.data.tokenize import describe_dropped
-from fsdp_peft.ending import end_run
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.generation import (
     GenerationSettings,
@@ -38,13 +32,11 @@ from fsdp_peft.generation import (
     parameters_gathered,
     parse_gather_budget,
 )
-from fsdp_peft.log import configure_for_training, logger
-from fsdp_peft.modeling import build_model
-from fsdp_peft.preference import ReferenceWithoutCopy
-from fsdp_peft.recipe import parse_recipe_config, start_training
+from fsdp_peft.log import logger
+from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
 from fsdp_peft.run_files import SAMPLES_FILE
-from fsdp_peft.trainer import PeftFsdpMixin
+from fsdp_peft.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 
 
 class RolloutTrainer(ReferenceWithoutCopy, PeftFsdpMixin, GRPOTrainer):
@@ -97,11 +89,6 @@ def grpo_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
         "reward_weights": recipe.reward_weights,
         "remove_unused_columns": False,  # the reward functions read the answer column
     }
-
-
-def parse_rl_config(argv: list[str], default_config: Path, default_output_dir: str):
-    """Recipe arguments and TRL's ``GRPOConfig``, checked by the rules that guard the RL procedure."""
-    return parse_recipe_config(argv, default_config, default_output_dir, grpo_arguments, RL)
 
 
 def read_prompts(source, tokenizer, recipe: RecipeArguments) -> tuple[list[dict], list[Example]]:
@@ -174,54 +161,60 @@ def held_out_rewards(
     return {"prompts": len(examples), "exact_match": exact, "rewards": means}
 
 
-class RewardsBeforeTraining(TrainerCallback):
-    """Held-out exact match and rewards on the prepared (sharded) model, before the first step."""
-
-    def __init__(self, score):
-        self.score, self.result = score, None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 0:  # a resumed run is not scored again
-            self.result = self.score(model)
-
-
-def run_grpo(name: str, default_config: Path, argv: list[str] | None) -> dict | None:
-    """The GRPO procedure of `fsdp_peft.recipe.run_recipe`; returns the results dict on rank 0."""
-    started = time.monotonic()
-    recipe, training = parse_rl_config(sys.argv[1:] if argv is None else argv, default_config, f"outputs/{name}")
-    configure_for_training(training)
-    run, checkpoint, tokenizer = start_training(recipe, training)
+def _load(recipe: RecipeArguments, tokenizer, training) -> tuple[Dataset, list[Example], list]:
+    """The prompts, the held-out examples and the reward functions, imported and tried on the first rows: all before
+    any weights load."""
     train_data, held_out = load_rl_data(recipe, tokenizer)
     functions = resolve_reward_funcs(recipe.reward_funcs)
     first = [train_data[i] for i in range(min(2, len(train_data)))]
     ids = [tokenizer(row["answer"], add_special_tokens=False)["input_ids"] for row in first]
-    check_reward_funcs(functions, recipe.reward_funcs, first, ids)  # before any weights load
-    model = build_model(recipe, training, tokenizer)
-    samples = held_out[: recipe.generate_samples]
+    check_reward_funcs(functions, recipe.reward_funcs, first, ids)
+    return train_data, held_out, functions
 
-    def score(scored_model, samples_path: Path | None = None):
-        names = recipe.reward_funcs
-        return held_out_rewards(
-            scored_model, tokenizer, samples, recipe, functions, names, training.device, samples_path
-        )
 
-    before = RewardsBeforeTraining(score)
-    trainer = RolloutTrainer(
-        model,
-        reward_funcs=functions,
-        args=training,
-        train_dataset=train_data,
-        processing_class=tokenizer,
-        gather_budget=recipe.generate_gather_budget,
-        fsdp_reduce_dtype=getattr(torch, recipe.fsdp_reduce_dtype),
-        callbacks=[before],
-        recipe_config=dataclasses.asdict(recipe),
-        run=run,
+def _trainer(setup: Setup, shared: dict) -> RolloutTrainer:
+    train_data, _, functions = setup.data
+    gather_budget = setup.recipe.generate_gather_budget
+    return RolloutTrainer(
+        setup.model, reward_funcs=functions, train_dataset=train_data, gather_budget=gather_budget, **shared
     )
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
 
-    def measure(output_dir: Path) -> dict:
-        after = score(trainer.model, output_dir / SAMPLES_FILE)
-        return {"loss_name": "GRPO", "held_out_before": before.result, "held_out_after": after}
 
-    return end_run(trainer, recipe, name, RL, started, train_output, measure)
+def _score(setup: Setup, model, samples_path: Path | None = None) -> dict | None:
+    recipe, (_, held_out, functions) = setup.recipe, setup.data
+    samples = held_out[: recipe.generate_samples]
+    names, device = recipe.reward_funcs, setup.training.device
+    return held_out_rewards(model, setup.tokenizer, samples, recipe, functions, names, device, samples_path)
+
+
+def _after(trainer, setup: Setup, before: dict | None, output_dir: Path) -> dict:
+    after = _score(setup, trainer.model, output_dir / SAMPLES_FILE)
+    return {"loss_name": "GRPO", "held_out_before": before, "held_out_after": after}
+
+
+def summary_lines(results: dict, output_dir: Path) -> list[str]:
+    """A GRPO run's own summary lines: greedy completions of the held-out prompts scored, before and after."""
+    before, after = results["held_out_before"], results["held_out_after"]
+    if after is None:
+        return []
+    lines = [f"held-out prompts: {after['prompts']} (greedy completions)"]
+    scores = [("exact match", before and before["exact_match"], after["exact_match"])]
+    scores += [
+        (f"reward {name}", before and before["rewards"][name], value) for name, value in after["rewards"].items()
+    ]
+    for label, was, now in scores:
+        shown = "n/a (resumed)" if before is None else "n/a" if was is None else f"{was:.3f}"
+        lines.append(f"  {label}: before {shown}, after {'n/a' if now is None else f'{now:.3f}'}")
+    lines.append(f"samples: {output_dir / SAMPLES_FILE}")
+    return lines
+
+
+GRPO_PROCEDURE = Procedure(
+    name=RL,
+    load_data=_load,
+    trainer=_trainer,
+    before=lambda trainer, setup, model: _score(setup, model),
+    after=_after,
+    summary_lines=summary_lines,
+    arguments=grpo_arguments,
+)

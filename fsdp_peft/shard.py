@@ -4,7 +4,7 @@ Trainer prepares the model inside its private ``_prepare_for_training`` (acceler
 ``fully_shard`` per unit, or FSDP1; XLA FSDP on TPUs); `fsdp_peft.trainer.PeftFsdpMixin` overrides that hook with
 one call to `shard`, which runs Trainer's preparation as its middle step. What is decided earlier is said where it
 is: the model and its adapters (`fsdp_peft.modeling.build_model`), the FSDP settings (`fsdp_peft.fsdp_settings`),
-the CPU mode (`fsdp_peft.cpu_fsdp`), what TRL's trainers add and undo (`fsdp_peft.preference.ReferenceWithoutCopy`).
+the CPU mode (`fsdp_peft.cpu_fsdp`), what TRL's trainers add and undo (`fsdp_peft.trainer.ReferenceWithoutCopy`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from fsdp_peft._compat import fsdp1_adapter_checkpoints
+from fsdp_peft._compat import (
+    fsdp1_adapter_checkpoints,
+    fsdp2_accumulation_skips_ungathered_parameters,
+    trl_without_the_checkpointing_warning,
+)
 from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
 from fsdp_peft.cpu_fsdp import (
     cpu_fsdp_requested,
@@ -24,6 +28,7 @@ from fsdp_peft.cpu_fsdp import (
     parallelism_config_held_back,
     skip_sync_module_states,
 )
+from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp_layout import FsdpLayoutReport, unit_name
@@ -73,12 +78,6 @@ class PeftFsdpMixin:
         begins = [RunBegins(run)] if run is not None else []
         callbacks = [*begins, *(callbacks or []), MemoryReport(), FsdpLayoutReport()]
         super().__init__(*args, callbacks=callbacks, **kwargs)
-        self.harness_during_training = None
-        if self.recipe_config.get("eval_tasks_steps"):
-            from fsdp_peft.evaluation import HarnessDuringTraining  # lazy: the harness only for a run that names tasks
-
-            self.harness_during_training = HarnessDuringTraining(self)
-            self.add_callback(self.harness_during_training)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if loss_chunk_tokens and (reason := chunked_loss_unavailable(causal_lm_of(self.model), self.args)):
@@ -336,3 +335,31 @@ def gather_trainable_state_dict(
             f"gathered adapter lacks {len(missing)} trainable tensors (e.g. {missing[0]}); not saving it"
         )
     return {name: state_dict[name] for name in expected}
+
+
+class ReferenceWithoutCopy:
+    """For TRL's `DPOTrainer`, `KTOTrainer` and `GRPOTrainer`: the reference is the adapter-disabled policy,
+    adapters as built.
+
+    Two things their ``__init__`` does to a `PeftModel` built by `fsdp_peft.modeling` are undone: the
+    frozen "ref" adapter it adds (a second adapter copy; with a fresh adapter the disabled adapter is the
+    same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
+    `attach_lora` chose, fp32 master weights as in SFT). Their fused log-prob head leaves the output head's
+    FSDP2 unit ungathered, which gradient accumulation under mixed precision needs patched
+    (`fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters`).
+    """
+
+    head_read_directly = True  # FSDP1: the head stays in the root unit (fsdp_peft.fsdp_policies.fsdp1_wrap_policy)
+
+    def __init__(self, model, *args, **kwargs):
+        fsdp2_accumulation_skips_ungathered_parameters()  # TRL's fused head leaves the head's unit ungathered
+        with trl_without_the_checkpointing_warning(), trainable_dtypes_kept(model):  # TRL casts adapters to bf16
+            super().__init__(model, *args, **kwargs)  # (DPO may compute the reference log-probs here)
+        if "ref" in self.model.peft_config:
+            self.model.delete_adapter("ref")
+        self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def compute_loss(self, *args, **kwargs):
+        """TRL's loss, without the FutureWarning its reference forward raises (`fsdp_peft._compat`)."""
+        with trl_without_the_checkpointing_warning():
+            return super().compute_loss(*args, **kwargs)

@@ -1,9 +1,10 @@
 """Every rule a recipe config must satisfy, checked before any process group, model or data is touched.
 
-Each rule is a small function returning a problem message (key, value, rule, fix) or ``None``. `RULES` is the
-one registry of them (the variants' and mixtures of experts' rules included), each with the procedures it guards
-(SFT, preference, RL); `check_before_training` runs a
-procedure's rules for the recipe and for ``fsdp-peft validate`` alike, and reports every problem at once.
+Each rule is a small function of one context (`fsdp_peft.fsdp_settings.RuleContext`: recipe, training values,
+procedure, the FSDP settings resolved once) returning a problem message (key, value, rule, fix) or ``None``.
+`RULES` is the one registry of them (the variants' and mixtures of experts' rules, defined beside what they guard,
+included), each with the procedures it guards (SFT, preference, RL); `check_before_training` runs a procedure's
+rules for the recipe and for ``fsdp-peft validate`` alike, and reports every problem at once, in registry order.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
-from fsdp_peft.data import DATA_EXTENSIONS, DATA_FORMATS, TRUNCATIONS, data_files_in, is_local_path
+from fsdp_peft.data.formats import DATA_FORMATS
+from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, is_local_path
+from fsdp_peft.data.tokenize import TRUNCATIONS
 from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
 from fsdp_peft.errors import ConfigError
@@ -28,38 +31,40 @@ from fsdp_peft.export import OUTPUT_DTYPES
 from fsdp_peft.families import family_for, lora_targets
 from fsdp_peft.fsdp_policies import decoder_layer_classes
 from fsdp_peft.fsdp_settings import (
+    RuleContext,
     _fsdp_options,
     _read_fsdp_config,
-    fsdp_settings,
-    fsdp_settings_for_rules,
     launcher_asks_for_fsdp,
+    mixed_precision_dtype,
+    rule_context,
     truthy,
 )
 from fsdp_peft.keys import field_types, key_problems, type_problems, unknown_choice, value_problems
 from fsdp_peft.loading import low_memory_loading_requested
-from fsdp_peft.moe import MOE_RULES
+from fsdp_peft.moe import (
+    expert_adapters_are_plain_lora,
+    expert_adapters_have_no_dropout,
+    expert_adapters_run_under_fsdp2,
+    moe_keys_need_a_mixture_of_experts,
+    moe_targets_reach_the_experts,
+)
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.tiny import TINY_DATASET_NAME
-from fsdp_peft.variants import VARIANT_RULES
+from fsdp_peft.variants import (
+    eva_forwards_the_loaded_model_before_sharding,
+    eva_initialises_linear_layers_only,
+    eva_keeps_the_configured_ranks,
+    fsdp1_keeps_tied_embeddings_in_the_root,
+    init_from_base_weights_needs_the_full_precision_base,
+    new_special_tokens_are_new,
+    new_tokens_train_as_trainable_tokens,
+    trainable_tokens_and_their_embedding_copy_exclude_each_other,
+    variant_keys_are_known,
+)
 from fsdp_peft.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
 
 GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
-
-
-def fsdp_in_use(training: dict) -> bool:
-    """FSDP is on when the recipe sets ``fsdp`` or the accelerate launcher's config says FSDP."""
-    return fsdp_settings_for_rules(training) is not None or launcher_asks_for_fsdp()
-
-
-def mixed_precision_dtype(training: dict) -> str | None:
-    """The autocast / FSDP parameter dtype from ``bf16``/``fp16`` or the launcher's ``mixed_precision``."""
-    if training.get("bf16"):
-        return "bfloat16"
-    if training.get("fp16"):
-        return "float16"
-    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(launcher)
 
 
 def fsdp_gather_dtype(recipe, training: dict) -> str:
@@ -67,7 +72,8 @@ def fsdp_gather_dtype(recipe, training: dict) -> str:
     return mixed_precision_dtype(training) or recipe.torch_dtype
 
 
-def _dtype_keys_are_known(recipe, training) -> str | None:
+def _dtype_keys_are_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
     for key in ("torch_dtype", "bnb_4bit_compute_dtype", "fsdp_reduce_dtype"):
         value = getattr(recipe, key)
         if value not in DTYPES:
@@ -77,16 +83,13 @@ def _dtype_keys_are_known(recipe, training) -> str | None:
     return None
 
 
-def _fsdp_settings_resolve(recipe, training) -> str | None:
-    try:
-        fsdp_settings(training)
-    except ConfigError as error:
-        return str(error)
-    return None
+def _fsdp_settings_resolve(context: RuleContext) -> str | None:
+    return context.fsdp_problem
 
 
-def _quant_storage_is_floating_under_fsdp(recipe, training) -> str | None:
-    if not recipe.load_in_4bit or not fsdp_in_use(training):
+def _quant_storage_is_floating_under_fsdp(context: RuleContext) -> str | None:
+    recipe, training = context.recipe, context.training
+    if not recipe.load_in_4bit or not context.fsdp_in_use:
         return None
     if recipe.bnb_4bit_quant_storage not in DTYPES:
         return (
@@ -96,7 +99,8 @@ def _quant_storage_is_floating_under_fsdp(recipe, training) -> str | None:
     return None
 
 
-def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
+def _quant_storage_matches_gather_dtype(context: RuleContext) -> str | None:
+    recipe, training = context.recipe, context.training
     if not recipe.load_in_4bit or recipe.bnb_4bit_quant_storage not in DTYPES:
         return None
     gather = fsdp_gather_dtype(recipe, training)
@@ -109,7 +113,8 @@ def _quant_storage_matches_gather_dtype(recipe, training) -> str | None:
     return None
 
 
-def _data_files_exist(recipe, training) -> str | None:
+def _data_files_exist(context: RuleContext) -> str | None:
+    recipe = context.recipe
     kinds = ", ".join(DATA_EXTENSIONS)
     for key in ("train_file", "eval_file"):
         value = getattr(recipe, key)
@@ -135,7 +140,8 @@ def _data_files_exist(recipe, training) -> str | None:
     return None
 
 
-def _data_settings_are_known(recipe, training) -> str | None:
+def _data_settings_are_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.data_format not in DATA_FORMATS:
         return f"data_format: '{recipe.data_format}' is not one of {', '.join(DATA_FORMATS)}"
     if recipe.truncation not in TRUNCATIONS:
@@ -145,14 +151,16 @@ def _data_settings_are_known(recipe, training) -> str | None:
     return None
 
 
-def _local_model_path_exists(recipe, training) -> str | None:
+def _local_model_path_exists(context: RuleContext) -> str | None:
+    recipe = context.recipe
     name = recipe.model_name_or_path
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
         return f"model_name_or_path: directory not found: {name}"
     return None
 
 
-def _model_config_is_a_causal_lm(recipe, training) -> str | None:
+def _model_config_is_a_causal_lm(context: RuleContext) -> str | None:
+    recipe = context.recipe
     name = recipe.model_name_or_path
     try:
         config = local_model_config(name, recipe.trust_remote_code)
@@ -179,7 +187,8 @@ def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _gather_budget_is_a_size(recipe, training) -> str | None:
+def _gather_budget_is_a_size(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if str(recipe.generate_gather_budget).strip().lower() in ("auto", "all", "none"):
         return None
     try:
@@ -189,8 +198,8 @@ def _gather_budget_is_a_size(recipe, training) -> str | None:
     return None
 
 
-def _fsdp_needs_several_processes(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _fsdp_needs_several_processes(context: RuleContext) -> str | None:
+    settings = context.fsdp
     if settings is not None and "recipe" in settings.route and ranks().world_size < 2:
         return (
             "fsdp: set in the config, but this is a single process; launch with "
@@ -209,8 +218,9 @@ def layer_checkpointing(training: dict) -> bool:
     return any(training.get(key) for key in LAYER_CHECKPOINTING_KEYS)
 
 
-def _one_activation_checkpointing(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _one_activation_checkpointing(context: RuleContext) -> str | None:
+    training = context.training
+    settings = context.fsdp
     for key in LAYER_CHECKPOINTING_KEYS:
         if settings and settings.activation_checkpointing and training.get(key):
             return (
@@ -220,8 +230,8 @@ def _one_activation_checkpointing(recipe, training) -> str | None:
     return None
 
 
-def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _hybrid_shard_shards_in_the_cpu_mode(context: RuleContext) -> str | None:
+    settings = context.fsdp
     cpu_mode = not torch.accelerator.is_available()
     if settings and settings.version == 1 and settings.reshard_after_forward.startswith("hybrid") and cpu_mode:
         return (
@@ -234,7 +244,8 @@ def _hybrid_shard_shards_in_the_cpu_mode(recipe, training) -> str | None:
 BNB_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
 
 
-def _prequantized_base_is_trainable(recipe, training) -> str | None:
+def _prequantized_base_is_trainable(context: RuleContext) -> str | None:
+    recipe = context.recipe
     saved = checkpoint_quantization(recipe.model_name_or_path)
     if not saved:
         return None
@@ -251,7 +262,7 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
             "(or point it at the 16-bit original for LoRA)"
         )
     storage = str(saved.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    if storage not in DTYPES and fsdp_in_use(training):
+    if storage not in DTYPES and context.fsdp_in_use:
         return (
             f"model_name_or_path: {name} stores its 4-bit weights as {storage}, which FSDP cannot shard; quantize "
             "the 16-bit original on load instead (model_name_or_path: the original, load_in_4bit: true)"
@@ -263,7 +274,7 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
                 f"{key}: '{getattr(recipe, key)}' differs from the pre-quantized checkpoint {name} ('{want}'), "
                 f"whose own settings transformers uses; set {key}: {want}"
             )
-    settings = fsdp_settings_for_rules(training)
+    settings = context.fsdp
     if settings and settings.cpu_ram_efficient_loading:
         return (
             f"cpu_ram_efficient_loading: low-memory loading quantizes a 16-bit checkpoint as it reads it, and "
@@ -272,8 +283,9 @@ def _prequantized_base_is_trainable(recipe, training) -> str | None:
     return None
 
 
-def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _save_only_model_needs_full_state_dict(context: RuleContext) -> str | None:
+    training = context.training
+    settings = context.fsdp
     if settings and training.get("save_only_model") and "SHARDED" in settings.state_dict_type:
         return (
             "save_only_model: true cannot be resumed from with FSDP's SHARDED_STATE_DICT (Trainer refuses it); "
@@ -282,8 +294,8 @@ def _save_only_model_needs_full_state_dict(recipe, training) -> str | None:
     return None
 
 
-def _fsdp1_units_keep_adapters_apart(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _fsdp1_units_keep_adapters_apart(context: RuleContext) -> str | None:
+    settings = context.fsdp
     if settings and settings.version == 1 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
         mixing = "" if settings.use_orig_params else " with use_orig_params: false"
         return (
@@ -299,8 +311,8 @@ def _save_strategy(training: dict) -> str:
     return str(training.get("save_strategy") or "steps").lower().removeprefix("savestrategy.")
 
 
-def _fsdp2_size_based_wrap_shards_no_layer(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _fsdp2_size_based_wrap_shards_no_layer(context: RuleContext) -> str | None:
+    settings = context.fsdp
     if settings and settings.version == 2 and settings.auto_wrap_policy == "SIZE_BASED_WRAP":
         return (
             "auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate 1.15 shards every module above min_num_params, "
@@ -310,8 +322,9 @@ def _fsdp2_size_based_wrap_shards_no_layer(recipe, training) -> str | None:
     return None
 
 
-def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _fsdp1_checkpoints_are_sharded(context: RuleContext) -> str | None:
+    training = context.training
+    settings = context.fsdp
     strategy = _save_strategy(training)
     if settings and settings.version == 1 and strategy != "no" and "SHARDED" not in settings.state_dict_type:
         return (
@@ -322,8 +335,9 @@ def _fsdp1_checkpoints_are_sharded(recipe, training) -> str | None:
     return None
 
 
-def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _offload_needs_a_cpu_optimizer(context: RuleContext) -> str | None:
+    training = context.training
+    settings = context.fsdp
     optimizer = str(training.get("optim") or "adamw_torch")
     if settings and settings.offload_params and any(mark in optimizer for mark in GPU_ONLY_OPTIMIZER_MARKS):
         return (
@@ -333,8 +347,8 @@ def _offload_needs_a_cpu_optimizer(recipe, training) -> str | None:
     return None
 
 
-def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
-    settings = fsdp_settings_for_rules(training)
+def _cpu_mode_cannot_load_on_rank_0_only(context: RuleContext) -> str | None:
+    settings = context.fsdp
     cpu_mode = not torch.accelerator.is_available()
     if settings and settings.version == 1 and settings.cpu_ram_efficient_loading and cpu_mode:
         return (
@@ -344,9 +358,10 @@ def _cpu_mode_cannot_load_on_rank_0_only(recipe, training) -> str | None:
     return None
 
 
-def _checkpoints_are_finished_by_one_rank(recipe, training) -> str | None:
+def _checkpoints_are_finished_by_one_rank(context: RuleContext) -> str | None:
+    training = context.training
     strategy = _save_strategy(training)
-    if fsdp_in_use(training) and truthy(training.get("save_on_each_node", False)) and strategy != "no":
+    if context.fsdp_in_use and truthy(training.get("save_on_each_node", False)) and strategy != "no":
         return (
             "save_on_each_node: true with FSDP checkpoints: every rank writes its shard into one checkpoint "
             "directory and one rank completes it, so the first rank of each node would complete it too (they "
@@ -359,7 +374,7 @@ def _checkpoints_are_finished_by_one_rank(recipe, training) -> str | None:
 PARALLELISM_SIZES = ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP")
 
 
-def _parallelism_config_fills_the_launch(recipe, training) -> str | None:
+def _parallelism_config_fills_the_launch(context: RuleContext) -> str | None:
     env = os.environ
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" or "WORLD_SIZE" not in env:
         return None
@@ -398,13 +413,15 @@ DPO_LOSS_TYPES = (  # trl 1.16 DPOConfig.loss_type
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: unpaired rows
 
 
-def _preference_loss_is_known(recipe, training) -> str | None:
+def _preference_loss_is_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.loss_type is not None and recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
         return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
     return None
 
 
-def _preference_beta_is_positive(recipe, training) -> str | None:
+def _preference_beta_is_positive(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.beta == 0:  # below 0: out of keys.RANGES, said there
         return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
     return None
@@ -414,7 +431,8 @@ GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", 
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def _rl_loss_is_known(recipe, training) -> str | None:
+def _rl_loss_is_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.loss_type is not None and recipe.loss_type not in GRPO_LOSS_TYPES:
         return unknown_choice("loss_type", recipe.loss_type, GRPO_LOSS_TYPES)
     if recipe.scale_rewards not in SCALE_REWARDS:
@@ -422,7 +440,8 @@ def _rl_loss_is_known(recipe, training) -> str | None:
     return None
 
 
-def _rl_has_rewards(recipe, training) -> str | None:
+def _rl_has_rewards(context: RuleContext) -> str | None:
+    recipe = context.recipe
     names = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else list(recipe.reward_funcs or ())
     if not names or not all(str(name).strip() for name in names):
         return (
@@ -437,9 +456,10 @@ def _rl_has_rewards(recipe, training) -> str | None:
     return None
 
 
-def _rl_groups_fill_the_batch(recipe, training) -> str | None:
+def _rl_groups_fill_the_batch(context: RuleContext) -> str | None:
     """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
     over ``steps_per_generation`` micro-steps); a group must not be cut."""
+    recipe, training = context.recipe, context.training
     if recipe.num_generations < 2:  # out of keys.RANGES: said there
         return None
     per_rank = int(training.get("per_device_train_batch_size") or 8)
@@ -454,10 +474,11 @@ def _rl_groups_fill_the_batch(recipe, training) -> str | None:
     return None
 
 
-def _rl_checkpoints_on_generation_boundaries(recipe, training) -> str | None:
+def _rl_checkpoints_on_generation_boundaries(context: RuleContext) -> str | None:
     """TRL regenerates rollouts every ``steps_per_generation x num_iterations`` micro-steps and keeps the batch in
     memory between; a checkpoint does not hold it, so a run resumed mid-cycle would train on new rollouts where the
     uninterrupted one reuses the old. Checkpoints on cycle boundaries resume exactly (the RNG states restored)."""
+    recipe, training = context.recipe, context.training
     if str(training.get("save_strategy") or "steps") != "steps":
         return None
     accumulation = int(training.get("gradient_accumulation_steps") or 1)
@@ -472,7 +493,8 @@ def _rl_checkpoints_on_generation_boundaries(recipe, training) -> str | None:
     return None
 
 
-def _reference_is_the_adapter_disabled_model(recipe, training) -> str | None:
+def _reference_is_the_adapter_disabled_model(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.ref_model:
         return (
             f"ref_model: {recipe.ref_model} would hold a second model beside the LoRA policy; remove it: the reference "
@@ -481,7 +503,8 @@ def _reference_is_the_adapter_disabled_model(recipe, training) -> str | None:
     return None
 
 
-def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
+def _precomputed_reference_sees_the_weights(context: RuleContext) -> str | None:
+    recipe, training = context.recipe, context.training
     if recipe.precompute_ref_log_probs and low_memory_loading_requested(training):
         return (
             "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
@@ -491,7 +514,7 @@ def _precomputed_reference_sees_the_weights(recipe, training) -> str | None:
     return None
 
 
-def _trl_recipes_run_off_xla(recipe, training) -> str | None:
+def _trl_recipes_run_off_xla(context: RuleContext) -> str | None:
     """The TPU route (`fsdp_peft.xla`) is built and tested for the SFT recipes only."""
     if on_xla():
         return (
@@ -501,7 +524,8 @@ def _trl_recipes_run_off_xla(recipe, training) -> str | None:
     return None
 
 
-def _trl_recipes_run_without_eva(recipe, training) -> str | None:
+def _trl_recipes_run_without_eva(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.init_lora_weights == "eva":
         return (
             "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
@@ -510,9 +534,10 @@ def _trl_recipes_run_without_eva(recipe, training) -> str | None:
     return None
 
 
-def _xla_route_can_run(recipe, training) -> str | None:
+def _xla_route_can_run(context: RuleContext) -> str | None:
     """On XLA (``PJRT_DEVICE`` set): LoRA only, no EVA, no harness tasks, the XLA FSDP keys only (no accelerate
     FSDP), torch_xla installed."""
+    recipe, training = context.recipe, context.training
     if not on_xla():
         return None
     device = f"PJRT_DEVICE={os.environ[DEVICE_VARIABLE]}"
@@ -547,16 +572,19 @@ def _xla_route_can_run(recipe, training) -> str | None:
     return None
 
 
-def _attention_kernel_runs_here(recipe, training) -> str | None:
+def _attention_kernel_runs_here(context: RuleContext) -> str | None:
+    recipe = context.recipe
     return attention_problem(recipe.attn_implementation)
 
 
-def _architecture_has_the_attention_kernel(recipe, training) -> str | None:
+def _architecture_has_the_attention_kernel(context: RuleContext) -> str | None:
+    recipe = context.recipe
     model_class = model_class_named(recipe.model_name_or_path, recipe.trust_remote_code)
     return architecture_problem(recipe.attn_implementation, model_class)  # unknown class: transformers chooses
 
 
-def _eval_tasks_are_harness_tasks(recipe, training) -> str | None:
+def _eval_tasks_are_harness_tasks(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if not recipe.eval_tasks:
         if recipe.eval_tasks_steps > 0:  # below 0: the key's range says so
             return (
@@ -605,8 +633,20 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _trl_recipes_run_off_xla: (PREFERENCE, RL),
     _trl_recipes_run_without_eva: (PREFERENCE, RL),
     _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
-    **dict.fromkeys(VARIANT_RULES, EVERY),
-    **dict.fromkeys(MOE_RULES, EVERY),
+    variant_keys_are_known: EVERY,
+    eva_keeps_the_configured_ranks: EVERY,
+    eva_initialises_linear_layers_only: EVERY,
+    eva_forwards_the_loaded_model_before_sharding: EVERY,
+    init_from_base_weights_needs_the_full_precision_base: EVERY,
+    trainable_tokens_and_their_embedding_copy_exclude_each_other: EVERY,
+    fsdp1_keeps_tied_embeddings_in_the_root: EVERY,
+    new_special_tokens_are_new: EVERY,
+    new_tokens_train_as_trainable_tokens: EVERY,
+    expert_adapters_have_no_dropout: EVERY,
+    expert_adapters_are_plain_lora: EVERY,
+    expert_adapters_run_under_fsdp2: EVERY,
+    moe_keys_need_a_mixture_of_experts: EVERY,
+    moe_targets_reach_the_experts: EVERY,
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,
     _eval_tasks_are_harness_tasks: EVERY,
@@ -614,8 +654,9 @@ RULES: dict[Callable, tuple[str, ...]] = {
 
 
 def config_problems(recipe, training: dict, procedure: str = SFT) -> list[str]:
-    """All problems found by the rules that guard ``procedure``, in rule order."""
-    return [problem for rule, guarded in RULES.items() if procedure in guarded and (problem := rule(recipe, training))]
+    """All problems found by the rules that guard ``procedure``, in rule order, from one context."""
+    context = rule_context(recipe, training, procedure)
+    return [problem for rule, guarded in RULES.items() if procedure in guarded and (problem := rule(context))]
 
 
 def model_structure_problems(recipe) -> list[str]:

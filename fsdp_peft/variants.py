@@ -2,8 +2,8 @@
 of whole modules (``lora_modules_to_save``), trainable token rows and LoRA on the embedding layer.
 
 One place turns the recipe keys into peft's ``LoraConfig`` arguments (`lora_config_arguments`) and holds
-the rules that refuse what peft or FSDP cannot do, before any process group starts (`VARIANT_RULES`,
-part of `fsdp_peft.validation.RULES`). What each variant costs and where it runs: docs/variants.md.
+the rules that refuse what peft or FSDP cannot do, before any process group starts (registered in
+`fsdp_peft.validation.RULES`). What each variant costs and where it runs: docs/variants.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from fsdp_peft.fsdp_settings import fsdp_settings_for_rules
+from fsdp_peft.fsdp_settings import RuleContext
 from fsdp_peft.keys import unknown_choice
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.merge import init_reads_base_weights
@@ -125,12 +125,8 @@ def targets_embedding(recipe) -> bool:
     return any(name in EMBEDDING_NAMES for name in recipe.lora_target_modules)
 
 
-def _fsdp_version(training: dict) -> int | None:
-    settings = fsdp_settings_for_rules(training)
-    return settings.version if settings is not None else None
-
-
-def _variant_keys_are_known(recipe, training) -> str | None:
+def variant_keys_are_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
     init = recipe.init_lora_weights
     if init not in INIT_CHOICES and not re.fullmatch(r"pissa_niter_[1-9]\d*", init):
         return unknown_choice("init_lora_weights", init, INIT_CHOICES).replace(
@@ -162,7 +158,8 @@ def _variant_keys_are_known(recipe, training) -> str | None:
     return None
 
 
-def _eva_keeps_the_configured_ranks(recipe, training) -> str | None:
+def eva_keeps_the_configured_ranks(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.init_lora_weights == "eva" and recipe.eva_rho != 1:
         return (
             f"eva_rho: {recipe.eva_rho} redistributes LoRA ranks between layers by the data pass, so neither "
@@ -172,7 +169,8 @@ def _eva_keeps_the_configured_ranks(recipe, training) -> str | None:
     return None
 
 
-def _eva_initialises_linear_layers_only(recipe, training) -> str | None:
+def eva_initialises_linear_layers_only(context: RuleContext) -> str | None:
+    recipe = context.recipe
     if recipe.init_lora_weights == "eva" and targets_embedding(recipe):
         return (
             "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only and "
@@ -182,7 +180,8 @@ def _eva_initialises_linear_layers_only(recipe, training) -> str | None:
     return None
 
 
-def _eva_forwards_the_loaded_model_before_sharding(recipe, training) -> str | None:
+def eva_forwards_the_loaded_model_before_sharding(context: RuleContext) -> str | None:
+    recipe, training = context.recipe, context.training
     if recipe.init_lora_weights == "eva" and low_memory_loading_requested(training):
         return (
             "init_lora_weights: eva runs forward passes before FSDP shards the model, and under "
@@ -192,7 +191,8 @@ def _eva_forwards_the_loaded_model_before_sharding(recipe, training) -> str | No
     return None
 
 
-def _init_from_base_weights_needs_the_full_precision_base(recipe, training) -> str | None:
+def init_from_base_weights_needs_the_full_precision_base(context: RuleContext) -> str | None:
+    recipe = context.recipe
     init = recipe.init_lora_weights
     if not init_reads_base_weights(init):
         return None
@@ -215,7 +215,8 @@ def _init_from_base_weights_needs_the_full_precision_base(recipe, training) -> s
     return None
 
 
-def _trainable_tokens_and_their_embedding_copy_exclude_each_other(recipe, training) -> str | None:
+def trainable_tokens_and_their_embedding_copy_exclude_each_other(context: RuleContext) -> str | None:
+    recipe = context.recipe
     saved = [name for name in recipe.lora_modules_to_save if name in EMBEDDING_NAMES]
     if recipe.trainable_token_indices and saved:
         return (
@@ -239,8 +240,13 @@ def _ties_embeddings(recipe) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def _fsdp1_keeps_tied_embeddings_in_the_root(recipe, training) -> str | None:
-    if _fsdp_version(training) != 1 or not (recipe.trainable_token_indices or targets_embedding(recipe)):
+def fsdp1_keeps_tied_embeddings_in_the_root(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    if (
+        context.fsdp is None
+        or context.fsdp.version != 1
+        or not (recipe.trainable_token_indices or targets_embedding(recipe))
+    ):
         return None
     if not _ties_embeddings(recipe):
         return None
@@ -252,7 +258,8 @@ def _fsdp1_keeps_tied_embeddings_in_the_root(recipe, training) -> str | None:
     )
 
 
-def _new_special_tokens_are_new(recipe, training) -> str | None:
+def new_special_tokens_are_new(context: RuleContext) -> str | None:
+    recipe = context.recipe
     tokens = list(recipe.new_special_tokens)
     if not tokens:
         return None
@@ -281,8 +288,9 @@ def _new_special_tokens_are_new(recipe, training) -> str | None:
     return None
 
 
-def _new_tokens_train_as_trainable_tokens(recipe, training) -> str | None:
+def new_tokens_train_as_trainable_tokens(context: RuleContext) -> str | None:
     """New tokens' rows are trainable tokens (embedding, and an untied head): the trainable tokens' rules apply."""
+    recipe = context.recipe
     if not recipe.new_special_tokens:
         return None
     if "lm_head" in recipe.lora_modules_to_save:
@@ -291,27 +299,15 @@ def _new_tokens_train_as_trainable_tokens(recipe, training) -> str | None:
             "put inside a trained copy of lm_head (lora_modules_to_save); drop lm_head from lora_modules_to_save"
         )
     probe = dataclasses.replace(recipe, trainable_token_indices=[*recipe.trainable_token_indices, 0])
+    probe = dataclasses.replace(context, recipe=probe)
     rules = (
-        _trainable_tokens_and_their_embedding_copy_exclude_each_other,
-        _fsdp1_keeps_tied_embeddings_in_the_root,
+        trainable_tokens_and_their_embedding_copy_exclude_each_other,
+        fsdp1_keeps_tied_embeddings_in_the_root,
     )
     for rule in rules:
-        if problem := rule(probe, training):
+        if problem := rule(probe):
             return f"new_special_tokens: its rows are trained as trainable tokens: {problem}"
     return None
-
-
-VARIANT_RULES = [
-    _variant_keys_are_known,
-    _eva_keeps_the_configured_ranks,
-    _eva_initialises_linear_layers_only,
-    _eva_forwards_the_loaded_model_before_sharding,
-    _init_from_base_weights_needs_the_full_precision_base,
-    _trainable_tokens_and_their_embedding_copy_exclude_each_other,
-    _fsdp1_keeps_tied_embeddings_in_the_root,
-    _new_special_tokens_are_new,
-    _new_tokens_train_as_trainable_tokens,
-]
 
 
 def stored_weight(module: torch.nn.Module | None) -> torch.Tensor | None:

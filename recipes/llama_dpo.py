@@ -1,6 +1,6 @@
 """DPO on Llama (3.x) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP through TRL's DPOTrainer.
 
-The procedure is `fsdp_peft.preference.run_preference` (run through `fsdp_peft.recipe.run_recipe`); this
+The procedure is `fsdp_peft.preference.PREFERENCE_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this
 recipe only names its default config, ``configs/llama_dpo/tiny.yaml`` (the embedded tiny-llama and
 tiny-preference pairs, no GPU or network). Real models: llama_dpo/llama3_1_8b_qlora.yaml.
 
@@ -12,10 +12,10 @@ checkpoints and exact resume, prompt/chosen/rejected strings or chat pairs from 
 """
 
 from fsdp_peft.catalog import CONFIGS
-from fsdp_peft.preference import run_preference
+from fsdp_peft.preference import PREFERENCE_PROCEDURE
 from fsdp_peft.recipe import run_recipe
 
 DEFAULT_CONFIG = CONFIGS / "llama_dpo" / "tiny.yaml"
 
 if __name__ == "__main__":
-    run_recipe("llama_dpo", DEFAULT_CONFIG, procedure=run_preference)
+    run_recipe("llama_dpo", DEFAULT_CONFIG, procedure=PREFERENCE_PROCEDURE)

@@ -169,6 +169,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def procedure_of(config: Path):
+    """The `fsdp_peft.procedure.Procedure` a config's keys belong to (`fsdp_peft.config.procedure_of_config`)."""
+    from fsdp_peft.config import PREFERENCE, RL, SFT, procedure_of_config
+    from fsdp_peft.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.rl import GRPO_PROCEDURE
+    from fsdp_peft.sft import SFT_PROCEDURE
+
+    procedures = {SFT: SFT_PROCEDURE, PREFERENCE: PREFERENCE_PROCEDURE, RL: GRPO_PROCEDURE}
+    return procedures[procedure_of_config(config)]
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
 

@@ -15,7 +15,7 @@ from conftest import REPO, run_command
 from fsdp_peft import attention
 from fsdp_peft.attention import architecture_problem, attention_problem, chosen_attention, model_class_named
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import check_packing_keeps_examples_apart
+from fsdp_peft.data.packing import check_packing_keeps_examples_apart
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.modeling import load_base_model
 from fsdp_peft.plan import plan_memory

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_command
-from fsdp_peft.config import procedure_of_config, read_yaml_config
+from conftest import REPO, procedure_of, run_command
+from fsdp_peft.config import read_yaml_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
 
@@ -142,9 +142,19 @@ def test_fsdp_in_the_yaml_needs_a_launcher(tmp_path, monkeypatch):
         parse_recipe_config(["--fsdp", "full_shard auto_wrap"], QLORA_TINY, str(tmp_path))
 
 
+def test_a_procedures_training_default_fills_only_what_the_config_leaves_unset(tmp_path):
+    config = tmp_path / "c.yaml"  # the SFT summary counts the tokens trained on unless the config says otherwise
+    config.write_text("max_steps: 1\n")
+    _, training = parse_recipe_config(["--config", str(config)], QLORA_TINY, str(tmp_path / "out"))
+    assert training.include_num_input_tokens_seen == "non_padding"
+    config.write_text("include_num_input_tokens_seen: true\n")  # the parser takes it as a bool: true means all
+    _, training = parse_recipe_config(["--config", str(config)], QLORA_TINY, str(tmp_path / "out"))
+    assert training.include_num_input_tokens_seen == "all"
+
+
 def test_shipped_recipe_configs_validate(tmp_path):
     for config in sorted(p for p in (REPO / "configs").glob("llama_*/*.yaml") if not p.name.startswith("tpu_")):
-        procedure = procedure_of_config(config)  # each checked by the rules of its own procedure
+        procedure = procedure_of(config)  # each checked by the rules of its own procedure
         # harness tasks' hub data is out of reach here: checked offline as `fsdp-peft validate` does, in
         # tests/test_recipes_catalog.py
         no_tasks = ["--eval_tasks", ""] if read_yaml_config(config).get("eval_tasks") else []

@@ -9,15 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import (
-    IGNORE_INDEX,
-    Example,
-    load_data,
-    read_examples,
-    render_example_prompt,
-    tokenize_example,
-    tokenized_dataset,
-)
+from fsdp_peft.data.cache import load_data
+from fsdp_peft.data.formats import Example, read_examples
+from fsdp_peft.data.templates import render_example_prompt
+from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenize_example, tokenized_dataset
 from fsdp_peft.errors import ConfigError
 
 CHAT = [

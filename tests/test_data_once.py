@@ -9,9 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import REPO, free_port, run_command
-from fsdp_peft import data
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import cache
+from fsdp_peft.data import cache, sources
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
 
@@ -21,7 +20,6 @@ LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 RANK_SCRIPT = """
 import json, os, sys
 from transformers import AutoTokenizer, TrainingArguments
-from fsdp_peft import data
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data import cache
 from fsdp_peft.distributed import start_process_group
@@ -35,11 +33,11 @@ cache.build = lambda *args, **kwargs: (built.append(1), original(*args, **kwargs
 args = TrainingArguments(output_dir=sys.argv[3], use_cpu=True, report_to="none")
 tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
 try:
-    data.load_data(RecipeArguments(train_file=sys.argv[2]), tokenizer, args)
+    cache.load_data(RecipeArguments(train_file=sys.argv[2]), tokenizer, args)
     bad = None
 except ConfigError as error:
     bad = str(error)
-train, held_out, examples = data.load_data(RecipeArguments(train_file=sys.argv[1], eval_split=0.34), tokenizer, args)
+train, held_out, examples = cache.load_data(RecipeArguments(train_file=sys.argv[1], eval_split=0.34), tokenizer, args)
 print(json.dumps({"rank": args.process_index, "world": args.world_size, "built": len(built), "bad": bad,
                   "train": [r["input_ids"] for r in train], "held_out": [e.completion for e in examples]}))
 """
@@ -58,16 +56,16 @@ def write_jsonl(path, rows):
 def test_a_second_load_reuses_the_tokenized_cache_until_the_file_changes(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FSDP_PEFT_CACHE", str(tmp_path / "cache"))
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    first = data.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
+    first = cache.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
     built = []
     original = cache.build
     monkeypatch.setattr(cache, "build", lambda *a, **k: (built.append(1), original(*a, **k))[1])
-    again = data.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
+    again = cache.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0].to_list()
     assert again == first and built == []
     assert "tokenized once, reused from" in capsys.readouterr().out
-    data.load_data(RecipeArguments(train_file=str(path), max_seq_length=20), tokenizer)  # another setting
+    cache.load_data(RecipeArguments(train_file=str(path), max_seq_length=20), tokenizer)  # another setting
     write_jsonl(path, ROWS[:2])  # same name, other content
-    assert len(data.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0]) == 2
+    assert len(cache.load_data(RecipeArguments(train_file=str(path)), tokenizer)[0]) == 2
     assert built == [1, 1]
     assert len(list((tmp_path / "cache" / "data").iterdir())) == 3
 
@@ -136,4 +134,4 @@ def test_a_hub_dataset_id_passes_validation(tmp_path):
     recipe, _ = parse_recipe_config(
         ["--dataset", "org/chats", "--dataset_eval_split", "test"], LORA_TINY, str(tmp_path)
     )
-    assert data.data_sources(recipe)[1] == data.Source(hub=("org/chats", None, "test"))
+    assert sources.data_sources(recipe)[1] == sources.Source(hub=("org/chats", None, "test"))

@@ -10,14 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import (
-    IGNORE_INDEX,
-    FlattenedCollator,
-    PackedCollator,
-    check_packing_keeps_examples_apart,
-    data_collator,
-    load_data,
-)
+from fsdp_peft.data.cache import load_data
+from fsdp_peft.data.packing import FlattenedCollator, PackedCollator, check_packing_keeps_examples_apart, data_collator
+from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.errors import ConfigError
 
 WORDS = ["abcde", "fg", "hijklmn", "op", "qrstu", "vwxyz", "ab", "cdefgh"]

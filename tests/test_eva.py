@@ -13,7 +13,9 @@ from transformers import set_seed
 
 import fsdp_peft.eva
 from conftest import REPO
-from fsdp_peft.data import IGNORE_INDEX, data_collator, load_data
+from fsdp_peft.data.cache import load_data
+from fsdp_peft.data.packing import data_collator
+from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.eva import eva_batches, initialise_eva
 from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer

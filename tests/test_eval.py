@@ -22,7 +22,7 @@ import pytest
 
 from conftest import launch_recipe, read_json, run_command, torchrun_command
 from fsdp_peft.cli import main
-from fsdp_peft.data import render_prompt
+from fsdp_peft.data.templates import render_prompt
 from fsdp_peft.evaluation import EVAL_FILE
 
 STEPS = 90

@@ -98,7 +98,7 @@ def local_imports() -> list[tuple[str, int, str]]:
 def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
     graph = import_graph()
     assert "fsdp_peft.plan" in graph["fsdp_peft.cli"]  # imported inside `_plan` only
-    assert "fsdp_peft.data.cache" in graph["fsdp_peft.data"]  # the package re-exports `load_data`
+    assert "fsdp_peft.data" in graph["fsdp_peft.sft"]  # its import of a data submodule runs the package's __init__
     assert "fsdp_peft.data.sources" in graph["fsdp_peft.data.formats"]
     assert "fsdp_peft.data" not in graph["fsdp_peft.data.formats"]  # its own package is loading already
     outside = ast.parse("from fsdp_peft.data.cache import load_data").body[0]
@@ -106,6 +106,51 @@ def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
     relative = ast.parse("from .sources import Source").body[0]
     assert _imported_modules(relative, "fsdp_peft.data.formats") == {"fsdp_peft.data.sources"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def layers(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's import layer: 0 for one that imports no package module, else one above the highest it imports."""
+    found: dict[str, int] = {}
+
+    def layer(module: str) -> int:
+        if module not in found:
+            found[module] = 1 + max((layer(target) for target in graph[module]), default=-1)
+        return found[module]
+
+    for module in graph:
+        layer(module)
+    return found
+
+
+def test_layers_count_from_the_modules_that_import_none():
+    assert layers({"a": set(), "b": {"a"}, "c": {"a", "b"}, "d": set()}) == {"a": 0, "b": 1, "c": 2, "d": 0}
+
+
+def test_the_package_stands_on_at_most_13_import_layers():
+    graph = import_graph()
+    layer = layers(graph)
+    module = max(layer, key=layer.get)
+    chain = [module]
+    while graph[chain[-1]]:
+        chain.append(max(graph[chain[-1]], key=layer.get))
+    print(f"{layer[module] + 1} layers: " + " <- ".join(chain))
+    assert layer[module] + 1 <= 13, " <- ".join(f"{m} ({layer[m]})" for m in chain)
+
+
+PROCEDURES = ("fsdp_peft.sft", "fsdp_peft.preference", "fsdp_peft.rl")  # `fsdp_peft.procedure.Procedure` values
+
+
+def test_the_procedures_are_siblings_that_one_skeleton_calls():
+    graph = import_graph()
+    for procedure in PROCEDURES:
+        assert not graph[procedure] & {*PROCEDURES, "fsdp_peft.recipe"}, procedure
+    skeletons = [
+        (name, node.lineno)
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "run_recipe"
+    ]
+    assert skeletons == [("fsdp_peft.recipe", skeletons[0][1])], skeletons
 
 
 def test_the_package_modules_import_each_other_without_a_cycle():

@@ -133,7 +133,7 @@ def test_every_expert_that_receives_tokens_gets_an_adapter_gradient_and_no_other
 def test_sharded_greedy_generation_matches_the_unsharded_model(runs):
     from transformers import AutoTokenizer
 
-    from fsdp_peft.data import render_prompt
+    from fsdp_peft.data.templates import render_prompt
     from fsdp_peft.generation import GenerationSettings, generate_completions
     from fsdp_peft.paths import tiny_model_path
 
@@ -278,7 +278,7 @@ def test_qlora_sharded_generation_matches_the_unsharded_4bit_model(qlora_runs):
         __import__("json").loads(line) for line in (qlora_runs["dir"] / "samples.jsonl").read_text().splitlines()
     ]
     loaded = load_for_generation(qlora_runs["dir"] / "adapter", None, torch.device("cpu"))
-    from fsdp_peft.data import render_prompt
+    from fsdp_peft.data.templates import render_prompt
 
     prompts = [render_prompt(loaded.tokenizer, s["prompt"], use_chat_template=True) for s in samples]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -375,13 +375,14 @@ def launched_with_fsdp(monkeypatch, version: int) -> None:
 
 
 def test_the_preference_config_is_taken_under_fsdp1_and_fsdp2(monkeypatch, tmp_path, capsys):
-    from fsdp_peft.preference import parse_preference_config
+    from fsdp_peft.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.recipe import parse_recipe_config
 
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     for version in (1, 2):
         launched_with_fsdp(monkeypatch, version)
         argv = ["--output_dir", str(tmp_path), "--beta", "0.2"]
-        recipe, training = parse_preference_config(argv, config, str(tmp_path))
+        recipe, training = parse_recipe_config(argv, config, str(tmp_path), PREFERENCE_PROCEDURE)
         assert (training.beta, training.loss_type, training.max_length) == (0.2, ["sigmoid"], recipe.max_seq_length)
         accelerate = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
         cli.main(["validate", str(config), "--accelerate-config", str(accelerate)])
@@ -407,9 +408,10 @@ def test_dpo_under_fsdp1_matches_one_process(runs, tmp_path):
 
 
 def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
-    from fsdp_peft.preference import parse_preference_config
+    from fsdp_peft.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.recipe import parse_recipe_config
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
     with pytest.raises(ConfigError, match=r"^PJRT_DEVICE=TPU: the preference and GRPO recipes do not run on XLA"):
-        parse_preference_config(["--output_dir", str(tmp_path)], config, str(tmp_path))
+        parse_recipe_config(["--output_dir", str(tmp_path)], config, str(tmp_path), PREFERENCE_PROCEDURE)

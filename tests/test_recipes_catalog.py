@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_recipe, read_json, run_command
+from conftest import launch_recipe, procedure_of, read_json, run_command
 from fsdp_peft import cli
 from fsdp_peft.catalog import CONFIGS, RECIPES
-from fsdp_peft.config import procedure_of_config, read_yaml_config
+from fsdp_peft.config import read_yaml_config
 from fsdp_peft.ending import plot_loss_curve, summary
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_for, tiny_family
+from fsdp_peft.preference import PREFERENCE_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.rl import GRPO_PROCEDURE
+from fsdp_peft.sft import SFT_PROCEDURE, summary_lines
 
 # TPU configs (configs/<recipe>/tpu_*.yaml) run in the TPU environment: tests/xla/ checks them there.
 RECIPE_CONFIGS = sorted(
@@ -39,6 +42,10 @@ REQUIRED_REAL = {
 }
 
 
+def procedure_name(procedure) -> str:
+    return {id(PREFERENCE_PROCEDURE): "PREFERENCE_PROCEDURE", id(GRPO_PROCEDURE): "GRPO_PROCEDURE"}[id(procedure)]
+
+
 def _name(path: Path) -> str:
     return path.relative_to(CONFIGS).as_posix()
 
@@ -54,7 +61,9 @@ def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_pa
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
-        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of_config(config)
+        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of(config)
+        if procedure is not SFT_PROCEDURE:  # the recipe runs the procedure its config's keys belong to
+            assert f"procedure={procedure_name(procedure)})" in (RECIPES / f"{recipe}.py").read_text(), recipe
         args, _ = parse_recipe_config(argv, config, "unused", procedure=procedure)
         assert tiny_family(args.model_name_or_path).name.startswith(_family_prefix(recipe)), recipe
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe
@@ -203,7 +212,7 @@ def test_loss_curve_is_skipped_with_one_line_when_no_loss_was_logged(tmp_path):
         "merged_dir": None,
         "loss_curve": None,
     }
-    lines = summary(results, tmp_path).splitlines()
+    lines = summary(results, tmp_path, summary_lines).splitlines()
     assert lines[0] == "[fsdp-peft] r: 2 steps, 1,536 tokens, 1.0 s training (2.0 s in all)"
     assert lines[1] == "[fsdp-peft] train loss 2.5000 (mean over the run), last logged 2.0000"
     assert [line for line in lines if "loss curve" in line] == [

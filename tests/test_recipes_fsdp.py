@@ -16,7 +16,10 @@ from safetensors.torch import load_file
 
 from conftest import REPO, launch_recipe, read_json, recipe_torchrun_command, run_command, tiny_llama_in_4bit
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, render_prompt, tokenized_dataset
+from fsdp_peft.data.formats import read_examples
+from fsdp_peft.data.sources import data_files
+from fsdp_peft.data.templates import render_prompt
+from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
 
 STEPS = 12
 SAMPLES = 8

@@ -7,12 +7,14 @@ import json
 import pytest
 
 from conftest import REPO, tiny_llama_in_4bit
+from fsdp_peft.config import resolve_recipe_config
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.fsdp_settings import fsdp_settings
-from fsdp_peft.preference import parse_preference_config
+from fsdp_peft.fsdp_settings import fsdp_settings, rule_context
+from fsdp_peft.preference import PREFERENCE_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.rl import parse_rl_config
-from fsdp_peft.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva
+from fsdp_peft.rl import GRPO_PROCEDURE
+from fsdp_peft.sft import SFT_PROCEDURE
+from fsdp_peft.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva, config_problems
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -34,32 +36,32 @@ CASES = {
         ["--eval_tasks", "tiny_reverse_em", "/nonexistent/my_task.yaml"],
         "eval_tasks: /nonexistent/my_task.yaml: file not found (a task YAML file)",
     ),
-    "_expert_adapters_have_no_dropout": (
+    "expert_adapters_have_no_dropout": (
         MOE_TINY,
         {},
         ["--lora_dropout", "0.05"],
         "lora_dropout: 0.05: LoRA on expert parameters (lora_target_parameters, peft's target_parameters) has no "
         "dropout in peft 0.21; set lora_dropout: 0, or lora_target_parameters: [] to leave the experts frozen",
     ),
-    "_expert_adapters_are_plain_lora": (
+    "expert_adapters_are_plain_lora": (
         MOE_TINY,
         {},
         ["--init_lora_weights", "pissa"],
         "init_lora_weights: pissa: peft 0.21 has neither DoRA nor initialisations from the base weights for expert",
     ),
-    "_expert_adapters_run_under_fsdp2": (
+    "expert_adapters_run_under_fsdp2": (
         MOE_TINY,
         ACCELERATE_FSDP1,
         [],
         "fsdp: FSDP1 cannot run LoRA on expert parameters: peft reads their adapter weights without calling the",
     ),
-    "_moe_targets_reach_the_experts": (
+    "moe_targets_reach_the_experts": (
         MOE_TINY,
         {},
         ["--lora_target_modules", "all-linear"],
         "lora_target_modules: all-linear on the mixture of experts tiny-qwen3-moe: peft would also put LoRA on the",
     ),
-    "_moe_keys_need_a_mixture_of_experts": (
+    "moe_keys_need_a_mixture_of_experts": (
         LORA_TINY,
         {},
         ["--train_router", "true"],
@@ -278,55 +280,55 @@ CASES = {
         [],
         "parallelism_config: dp_replicate_size 2 x dp_shard_size 8 = 16 ranks, but this launch has 2 (num_processes)",
     ),
-    "_variant_keys_are_known": (
+    "variant_keys_are_known": (
         LORA_TINY,
         {},
         ["--init_lora_weights", "pisa"],
         "init_lora_weights: 'pisa' is not one of default, gaussian, pissa, pissa_niter_N (N: subspace iterations",
     ),
-    "_eva_keeps_the_configured_ranks": (
+    "eva_keeps_the_configured_ranks": (
         LORA_TINY,
         ACCELERATE_FSDP2,
         ["--init_lora_weights", "eva", "--eva_rho", "2"],
         "eva_rho: 2.0 redistributes LoRA ranks between layers by the data pass, so neither fsdp-peft plan nor",
     ),
-    "_eva_initialises_linear_layers_only": (
+    "eva_initialises_linear_layers_only": (
         LORA_TINY,
         ACCELERATE_FSDP2,
         ["--init_lora_weights", "eva", "--lora_target_modules", "q_proj", "embed_tokens"],
         "init_lora_weights: eva with LoRA on the embedding layer: peft's EVA initialises linear layers only",
     ),
-    "_eva_forwards_the_loaded_model_before_sharding": (
+    "eva_forwards_the_loaded_model_before_sharding": (
         LORA_TINY,
         {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "WORLD_SIZE": "2"},
         ["--init_lora_weights", "eva"],
         "init_lora_weights: eva runs forward passes before FSDP shards the model, and under fsdp_cpu_ram_efficient",
     ),
-    "_init_from_base_weights_needs_the_full_precision_base": (
+    "init_from_base_weights_needs_the_full_precision_base": (
         LORA_TINY,
         ACCELERATE_FSDP2,
         ["--init_lora_weights", "loftq"],
         "init_lora_weights: loftq fits the adapter to the 4-bit quantization error of each base weight, and",
     ),
-    "_trainable_tokens_and_their_embedding_copy_exclude_each_other": (
+    "trainable_tokens_and_their_embedding_copy_exclude_each_other": (
         LORA_TINY,
         {},
         ["--trainable_token_indices", "3", "--lora_modules_to_save", "embed_tokens"],
         "trainable_token_indices: trains rows of the embedding that lora_modules_to_save (embed_tokens) already",
     ),
-    "_fsdp1_keeps_tied_embeddings_in_the_root": (
+    "fsdp1_keeps_tied_embeddings_in_the_root": (
         LORA_TINY,
         ACCELERATE_FSDP1,
         ["--trainable_token_indices", "3", "--model_name_or_path", "{tied_model}"],
         "trainable_token_indices under FSDP1 with tied embeddings ({tied_model} ties the input embedding and the",
     ),
-    "_new_special_tokens_are_new": (
+    "new_special_tokens_are_new": (
         LORA_TINY,
         {},
         ["--new_special_tokens", "<|tool_call|>", "<|user|>"],
         "new_special_tokens: '<|user|>' is already in the tokenizer's vocabulary; drop it from new_special_tokens",
     ),
-    "_new_tokens_train_as_trainable_tokens": (
+    "new_tokens_train_as_trainable_tokens": (
         LORA_TINY,
         {},
         ["--new_special_tokens", "<|tool_call|>", "--lora_modules_to_save", "lm_head"],
@@ -395,7 +397,7 @@ TRL_REFUSALS = [
     "_trl_recipes_run_off_xla",
     "_trl_recipes_run_without_eva",
 ]
-PARSERS = {SFT: parse_recipe_config, PREFERENCE: parse_preference_config, RL: parse_rl_config}
+PROCEDURES = {SFT: SFT_PROCEDURE, PREFERENCE: PREFERENCE_PROCEDURE, RL: GRPO_PROCEDURE}
 
 
 def test_every_rule_guards_a_procedure_and_only_the_trl_recipes_rules_skip_sft():
@@ -417,7 +419,8 @@ def _refused(config, env, argv, procedure, monkeypatch, tmp_path) -> str:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as error:
-        PARSERS[procedure](["--config", str(config), "--output_dir", str(tmp_path), *argv], config, str(tmp_path))
+        argv = ["--config", str(config), "--output_dir", str(tmp_path), *argv]
+        parse_recipe_config(argv, config, str(tmp_path), PROCEDURES[procedure])
     return str(error.value)
 
 
@@ -517,7 +520,8 @@ def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatc
     with pytest.raises(ConfigError, match=r"^init_lora_weights: eva on XLA \(PJRT_DEVICE=CPU\): its data pass is"):
         parse_recipe_config(base, LORA_TINY, str(tmp_path))
     monkeypatch.delenv("PJRT_DEVICE")
-    assert _trl_recipes_run_without_eva(recipe, {}).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
+    context = rule_context(recipe, {}, PREFERENCE)
+    assert _trl_recipes_run_without_eva(context).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
 
 
 @pytest.mark.parametrize(
@@ -540,3 +544,21 @@ def test_a_mixture_of_experts_takes_its_experts_through_lora_target_parameters_o
     with pytest.raises(ConfigError) as error:
         parse_recipe_config(["--config", str(MOE_TINY), *argv], MOE_TINY, str(tmp_path))
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_one_validation_resolves_the_fsdp_settings_once(monkeypatch, tmp_path):
+    """Every rule reads the settings from one context (`fsdp_peft.fsdp_settings.RuleContext`), resolved once."""
+    import fsdp_peft.fsdp_settings as settings_module
+
+    calls = []
+    resolve = settings_module.fsdp_settings
+    monkeypatch.setattr(settings_module, "fsdp_settings", lambda *a, **k: (calls.append(1), resolve(*a, **k))[1])
+    argv = ["--output_dir", str(tmp_path), "--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 2}']
+    for config, procedure in ((LORA_TINY, SFT), (DPO_TINY, PREFERENCE), (GRPO_TINY, RL)):
+        calls.clear()
+        recipe, training_values, _ = resolve_recipe_config(argv, config, str(tmp_path))
+        assert config_problems(recipe, training_values, procedure) == [
+            "fsdp: set in the config, but this is a single process; launch with `accelerate launch --config_file "
+            "configs/accelerate/cpu_fsdp2.yaml ...` (or a GPU config), or remove fsdp/fsdp_config"
+        ]
+        assert len(calls) == 1, (procedure, len(calls))

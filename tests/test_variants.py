@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_file
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
 from fsdp_peft.config import RecipeArguments
-from fsdp_peft.data import IGNORE_INDEX, data_files, read_examples, tokenized_dataset
+from fsdp_peft.data.formats import read_examples
+from fsdp_peft.data.sources import data_files
+from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
 from fsdp_peft.export import export_merged
 from fsdp_peft.new_tokens import read_new_tokens, tokenizer_directory
 from fsdp_peft.plan import plan_memory

@@ -14,7 +14,8 @@ Tokenization runs once per node (local rank 0) and is saved under ``$FSDP_PEFT_C
 keyed by the files' bytes, the tokenizer and every setting that changes the result; the other ranks,
 and later runs, load it from there.
 
-One module per step, in the order data flows:
+One module per step, in the order data flows (import from the step's module: this package imports none of
+them, so a module that needs one step does not load them all):
 
 - `fsdp_peft.data.sources`: where a split's rows come from (files, directories, hub splits), read raw
 - `fsdp_peft.data.formats`: the four row formats, detected and checked; rows as `Example`s
@@ -26,38 +27,3 @@ One module per step, in the order data flows:
 Preference rows (DPO pairs, KTO's rated completions) are `fsdp_peft.data.preference`: the same sources
 and bad-row rules, rendered as text for TRL, which tokenizes them itself.
 """
-
-from fsdp_peft.data.cache import load_data
-from fsdp_peft.data.formats import DATA_FORMATS, Example, read_examples
-from fsdp_peft.data.packing import (
-    FlattenedCollator,
-    PackedCollator,
-    check_packing_keeps_examples_apart,
-    data_collator,
-)
-from fsdp_peft.data.sources import DATA_EXTENSIONS, Source, data_files, data_files_in, data_sources, is_local_path
-from fsdp_peft.data.templates import render_example_prompt, render_prompt
-from fsdp_peft.data.tokenize import IGNORE_INDEX, TRUNCATIONS, tokenize_example, tokenized_dataset
-
-__all__ = [
-    "DATA_EXTENSIONS",
-    "DATA_FORMATS",
-    "IGNORE_INDEX",
-    "TRUNCATIONS",
-    "Example",
-    "FlattenedCollator",
-    "PackedCollator",
-    "Source",
-    "check_packing_keeps_examples_apart",
-    "data_collator",
-    "data_files",
-    "data_files_in",
-    "data_sources",
-    "is_local_path",
-    "load_data",
-    "read_examples",
-    "render_example_prompt",
-    "render_prompt",
-    "tokenize_example",
-    "tokenized_dataset",
-]

@@ -1,6 +1,6 @@
 """The GRPO recipe with its rollouts held fixed, for the 2-rank vs one-process equivalence tests.
 
-`fsdp_peft.rl.run_grpo` runs unchanged (model build, FSDP, TRL's reward scoring, advantages, reference pass and
+`fsdp_peft.rl.GRPO_PROCEDURE` runs unchanged (model build, FSDP, TRL's reward scoring, advantages, reference pass and
 loss) except for sampling: each completion is a function of its prompt and its place in its group, and the reward
 (`token_reward`, named in the YAML as ``grpo_fixed_rollouts:token_reward``) a function of the completion alone. So
 2 ranks x B and one process x 2B see the same completions, rewards and advantages, and what is left to compare is
@@ -115,4 +115,4 @@ if __name__ == "__main__":
         del sys.argv[at : at + 2]
     rl.RolloutTrainer = FixedRollouts
     trl.trainer.grpo_trainer.shuffle_sequence_dict = lambda batch: batch
-    run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.run_grpo)
+    run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.GRPO_PROCEDURE)

@@ -142,8 +142,9 @@ def test_the_summary_on_xla_prints_the_same_lines_as_on_the_cpu(runs):
     def summary(output_dir: Path) -> list[str]:
         results = json.loads((output_dir / "results.json").read_text())
         from fsdp_peft.ending import summary as render
+        from fsdp_peft.sft import summary_lines
 
-        text = render(results, output_dir).replace(str(output_dir), "OUT")
+        text = render(results, output_dir, summary_lines).replace(str(output_dir), "OUT")
         return [re.sub(r"\d+\.\d+", "N", line) for line in text.splitlines()]
 
     cpu, xla = summary(runs["cpu"]), summary(runs["spmd2"])
