@@ -99,10 +99,11 @@ def parse_recipe_config(
     check_before_training(recipe_args, training_values, procedure=procedure.name)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     arguments_class, extra = procedure.arguments(recipe_args)
-    training_args = build_training_arguments(training_values, options.config, arguments_class, **extra)
-    for key, value in procedure.training_defaults.items():  # where the config sets none (the YAML printed keeps
-        if training_values.get(key) == unset_training_values()[key]:  # the parser's value: it reads it back)
-            setattr(training_args, key, value)
+    unset = unset_training_values()  # the procedure's defaults where the config sets none; not in training_values,
+    defaults = {k: v for k, v in procedure.training_defaults.items() if training_values.get(k) == unset[k]}
+    training_args = build_training_arguments(  # which --print-config prints and the parser must read back
+        training_values, options.config, arguments_class, **defaults, **extra
+    )
     if options.print_config:
         if ranks().is_main:
             print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
