@@ -99,7 +99,7 @@ def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> P
     import transformers
     from transformers import AutoTokenizer
 
-    from fsdp_peft.files import publish_directory
+    from fsdp_peft.atomic_publish import publish_directory
     from fsdp_peft.tiny import TINY_MODEL_ASSETS
 
     config = shape_config(name)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fsdp_peft.catalog import copy_shipped, shipped
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
-from fsdp_peft.validation_modes import hub_data_out_of_reach_noted
+from fsdp_peft.unreachable_hub import hub_data_out_of_reach_noted
 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"

@@ -26,9 +26,9 @@ from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.keys import plain_value
+from fsdp_peft.strict_yaml import load_yaml_file
 from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.xla import on_xla
-from fsdp_peft.yaml_files import load_yaml_file
 
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
 

@@ -16,7 +16,7 @@ from typing import Callable
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import logger
 from fsdp_peft.paths import resolve_model_path
-from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE
+from fsdp_peft.run_file_names import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE
 
 PREFIX = "[fsdp-peft] "
 

@@ -30,7 +30,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
 from fsdp_peft.tiny import TINY_DATASET_DIR
-from fsdp_peft.validation_modes import out_of_reach_noted
+from fsdp_peft.unreachable_hub import out_of_reach_noted
 
 EVAL_TASKS_DIR = Path(__file__).parent / "harness_tasks"  # written by hand, beside the generated assets
 SHIPPED_TASKS = ("tiny_reverse_em", "tiny_reverse_ll")  # and the tag over both, ``tiny_reverse``

@@ -54,7 +54,7 @@ from fsdp_peft.generation import (
 from fsdp_peft.inference import load_for_generation
 from fsdp_peft.log import logger
 from fsdp_peft.modeling import local_device
-from fsdp_peft.run_files import HARNESS_DIR, HARNESS_LOG_PREFIX
+from fsdp_peft.run_file_names import HARNESS_DIR, HARNESS_LOG_PREFIX
 
 EVAL_FILE = "eval.json"
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default, for a generate_until task that sets none

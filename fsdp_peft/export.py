@@ -46,16 +46,16 @@ from fsdp_peft.adapter_files import (
     resolve_base,
     trained_on_4bit,
 )
+from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.dtypes import short_dtype_name
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.files import publish_directory
 from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch, WeightUpdate
 from fsdp_peft.moe import EXPERTS_MODULE
 from fsdp_peft.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
 from fsdp_peft.new_tokens import grown_layout, read_new_tokens, write_grown_model_files
 from fsdp_peft.paths import checkpoint_quantization
-from fsdp_peft.run_files import RESULTS_FILE
+from fsdp_peft.run_file_names import RESULTS_FILE
 from fsdp_peft.safetensors_io import (
     SAFETENSORS_DTYPES,
     StreamingShardWriter,

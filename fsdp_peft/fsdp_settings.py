@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.strict_yaml import load_yaml_file
 from fsdp_peft.xla import XLA_KEYS, on_xla, xla_fsdp_config
-from fsdp_peft.yaml_files import load_yaml_file
 
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")

@@ -30,7 +30,7 @@ from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.fsdp_layout import is_sharded
 from fsdp_peft.log import logger
-from fsdp_peft.run_files import EVAL_SAMPLES_FILE
+from fsdp_peft.run_file_names import EVAL_SAMPLES_FILE
 from fsdp_peft.safetensors_io import parse_size
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from fsdp_peft.files import publish_directory
+from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES, WEIGHTS_SEED, write_tiny_model
 
 

@@ -22,7 +22,7 @@ from fsdp_peft.config import PREFERENCE, RecipeArguments
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.generation import GenerationSettings, generate_completions
 from fsdp_peft.procedure import Procedure, Setup
-from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.run_file_names import SAMPLES_FILE
 from fsdp_peft.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 from fsdp_peft.validation import KTO_LOSS_TYPES

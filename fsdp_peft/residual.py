@@ -5,7 +5,7 @@ This is peft's recommended PiSSA-QLoRA procedure (peft ``examples/pissa_finetuni
 full-precision weights, save the residual model ``W - scale * B0 @ A0`` and the initial adapter, load the
 residual in 4 bits and train from the initial adapter. Here the residual checkpoint is written under
 ``$FSDP_PEFT_CACHE/initialisations/<key>`` (the key hashes the checkpoint files, targets, ranks, scales, init,
-quantization and seed), atomically (`fsdp_peft.files.publish_directory`), by each node's first rank while the
+quantization and seed), atomically (`fsdp_peft.atomic_publish.publish_directory`), by each node's first rank while the
 others wait; later runs and resumes reuse it. The run then loads that checkpoint like any other: through
 ``from_pretrained``, or under ``cpu_ram_efficient_loading`` read by rank 0 and scattered shard by shard.
 
@@ -37,9 +37,9 @@ from peft.tuners.lora import Linear, LoraLayer
 from peft.utils.loftq_utils import _low_rank_decomposition
 from safetensors.torch import load_file, save_file
 
+from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.distributed import gathered_from_every_rank, ranks
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.files import publish_directory
 from fsdp_peft.loading import checkpoint_key, low_memory_loading_requested
 from fsdp_peft.log import logger
 from fsdp_peft.model_record import record_of

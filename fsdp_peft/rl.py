@@ -35,7 +35,7 @@ from fsdp_peft.generation import (
 from fsdp_peft.log import logger
 from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
-from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.run_file_names import SAMPLES_FILE
 from fsdp_peft.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 
 

@@ -49,7 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
-from fsdp_peft.run_files import EVAL_SAMPLES_FILE, HARNESS_DIR, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
+from fsdp_peft.run_file_names import EVAL_SAMPLES_FILE, HARNESS_DIR, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 
 RUN_FILE = "fsdp_peft_run.json"
 EVA_INIT_FILE = "eva_init.safetensors"  # init_lora_weights: eva's initial lora_A rows (fsdp_peft.eva)

@@ -15,7 +15,7 @@ from fsdp_peft.data.packing import check_packing_keeps_examples_apart, data_coll
 from fsdp_peft.eva import initialise_eva
 from fsdp_peft.generation import SamplesAtEvaluation, evaluate_exact_match
 from fsdp_peft.procedure import Procedure, Setup
-from fsdp_peft.run_files import SAMPLES_FILE
+from fsdp_peft.run_file_names import SAMPLES_FILE
 from fsdp_peft.trainer import PeftFsdpTrainer
 
 

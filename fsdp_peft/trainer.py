@@ -22,6 +22,7 @@ from fsdp_peft._compat import (
     trl_without_the_checkpointing_warning,
 )
 from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
+from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.cpu_fsdp import (
     cpu_fsdp_requested,
     enable_cpu_fsdp,
@@ -30,7 +31,6 @@ from fsdp_peft.cpu_fsdp import (
 )
 from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.files import publish_directory
 from fsdp_peft.fsdp_layout import FsdpLayoutReport, unit_name
 from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.loading import pending_checkpoint

@@ -19,6 +19,7 @@ from typing import Callable
 import datasets
 from datasets import Dataset, load_from_disk
 
+from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.formats import Example, held_out_example
 from fsdp_peft.data.packing import pack
@@ -26,7 +27,6 @@ from fsdp_peft.data.sources import Source, data_sources, load_hub_split
 from fsdp_peft.data.tokenize import describe_dropped, encode_source
 from fsdp_peft.distributed import gathered_from_every_rank, ranks
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.files import publish_directory
 from fsdp_peft.log import logger
 from fsdp_peft.paths import cache_dir
 
