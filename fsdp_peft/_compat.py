@@ -228,6 +228,28 @@ UPSTREAM: tuple[Upstream, ...] = (
         "accelerate exposes the launch environment publicly",
     ),
     Upstream(
+        "transformers.trainer:Trainer._prepare_context_parallel_inputs",
+        ("self", "model", "inputs"),
+        "fsdp_peft.trainer.PeftFsdpTrainer (fsdp_peft.sequence_parallel.split_for_training)",
+        "sequence parallelism splits each row for Ulysses where Trainer prepares its ring-attention buffers",
+        "transformers offers a Ulysses split for FSDP2 (accelerate #4209 adds one)",
+    ),
+    Upstream(
+        "transformers.trainer:Trainer._track_num_input_tokens",
+        ("self", "inputs"),
+        "fsdp_peft.trainer.PeftFsdpTrainer (fsdp_peft.sequence_parallel.tokens_counted_once)",
+        "the count sums every rank's rows; a sequence group's ranks hold the same rows",
+        "transformers counts a context-parallel group's rows once",
+    ),
+    Upstream(
+        "accelerate.accelerator:Accelerator._prepare_cp",
+        ("self",),
+        "fsdp_peft._compat.context_parallel_hooks_skipped",
+        "accelerate's ring-attention hooks drop every attention mask, generation's too",
+        "accelerate attaches its hooks only inside its context-parallel context",
+        mentions=("_attach_context_parallel_hooks",),
+    ),
+    Upstream(
         "transformers.trainer:Trainer._prepare_for_training",
         ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
         "fsdp_peft.trainer.PeftFsdpTrainer; fsdp_peft._compat.xla_fsdp_optimizer_created",
@@ -496,6 +518,24 @@ def trainer_peft_update_skipped():
         yield
     finally:
         transformers.trainer.update_fsdp_plugin_peft = original
+
+
+@patch("accelerate")
+@contextlib.contextmanager
+def context_parallel_hooks_skipped(accelerator):
+    """Replaces ``Accelerator._prepare_cp`` of ``accelerator`` with a pass-through while the model is prepared.
+
+    Why: sequence parallelism (`fsdp_peft.sequence_parallel`) takes accelerate's context-parallel mesh, data
+    split and loss scaling, but not its ring attention; accelerate 1.15's ``_prepare_cp`` hooks every
+    ``self_attn`` to drop its attention mask for good, which would make left-padded generation and evaluation
+    attend to padding. Ulysses splits and masks inside its own attention, only while a split is active.
+    Remove when: accelerate attaches those hooks only inside its context-parallel context.
+    """
+    accelerator._prepare_cp = lambda *args: args
+    try:
+        yield
+    finally:
+        del accelerator._prepare_cp
 
 
 @patch("accelerate")

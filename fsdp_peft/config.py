@@ -149,6 +149,10 @@ class RecipeArguments:
         default=512,
         metadata={"help": "chunked loss: labelled tokens per chunk (no full logits), e.g. 512; 0: model's own loss"},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "ranks that split each row (Ulysses, FSDP2; docs/long-context.md); 1: no split"},
+    )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
         default=True, metadata={"help": "render prompts with the tokenizer's chat template"}

@@ -53,15 +53,21 @@ USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"  # set by `accelera
 
 @contextlib.contextmanager
 def parallelism_config_held_back(args: TrainingArguments):
-    """In the CPU mode, hide the launcher's parallelism config from the `Accelerator` being built.
+    """In the CPU mode, hide the parallelism config (the launcher's, or the arguments' for sequence
+    parallelism) from the `Accelerator` being built.
 
     Accelerate validates it against the state it builds, ``MULTI_CPU`` on a CPU, and refuses it;
     `enable_cpu_fsdp` applies it once the state is FSDP.
     """
-    held = os.environ.pop(USE_PARALLELISM_CONFIG, None) if cpu_fsdp_requested(args) else None
+    if not cpu_fsdp_requested(args):
+        yield
+        return
+    held = os.environ.pop(USE_PARALLELISM_CONFIG, None)
+    arguments_config, args.parallelism_config = args.parallelism_config, None
     try:
         yield
     finally:
+        args.parallelism_config = arguments_config
         if held is not None:
             os.environ[USE_PARALLELISM_CONFIG] = held
 
@@ -77,8 +83,10 @@ def enable_cpu_fsdp(accelerator: Accelerator, args: TrainingArguments) -> bool:
         plugin.set_mixed_precision(state.mixed_precision)
     state_switched_to_fsdp(state, plugin.fsdp_version)
     state.fsdp_plugin = plugin
-    if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
-        apply_parallelism_config_on_cpu(accelerator)
+    if args.parallelism_config is not None:
+        apply_parallelism_config_on_cpu(accelerator, args.parallelism_config)
+    elif os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
+        apply_parallelism_config_on_cpu(accelerator, ParallelismConfig())  # sizes from PARALLELISM_CONFIG_*
     return True
 
 
@@ -92,9 +100,8 @@ def unpinned_cpu_offload(plugin: FullyShardedDataParallelPlugin) -> None:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
-def apply_parallelism_config_on_cpu(accelerator: Accelerator) -> None:
-    """What `Accelerator` does with a launcher's parallelism config on GPUs, on a "cpu" device mesh."""
-    config = ParallelismConfig()  # sizes from the launcher's PARALLELISM_CONFIG_* variables
+def apply_parallelism_config_on_cpu(accelerator: Accelerator, config: ParallelismConfig) -> None:
+    """What `Accelerator` does with a parallelism config on GPUs, on a "cpu" device mesh."""
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.get_device_mesh("cpu")
     config._validate_accelerator(accelerator)

@@ -63,6 +63,7 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_alpha": _above(0),
     "lora_dropout": _fraction(),
     "loss_chunk_tokens": _at_least(0),
+    "sequence_parallel_size": _at_least(1),
     "per_device_train_batch_size": _at_least(1),
     "per_device_eval_batch_size": _at_least(1),
     "gradient_accumulation_steps": _at_least(1),

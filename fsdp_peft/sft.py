@@ -31,6 +31,7 @@ def _trainer(setup: Setup, shared: dict) -> PeftFsdpTrainer:
         eval_dataset=eval_data,
         data_collator=data_collator(recipe, tokenizer),
         loss_chunk_tokens=recipe.loss_chunk_tokens,
+        sequence_parallel_size=recipe.sequence_parallel_size,
         **{**shared, "callbacks": [*shared["callbacks"], at_evaluation]},
     )
     if recipe.init_lora_weights == "eva":  # data-driven init: after the adapters exist, before FSDP wraps them

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from fsdp_peft._compat import trainer_peft_update_skipped, xla_fsdp_optimizer_created
+from fsdp_peft._compat import (
+    context_parallel_hooks_skipped,
+    trainer_peft_update_skipped,
+    xla_fsdp_optimizer_created,
+)
 from fsdp_peft.fsdp_layout import is_sharded
 from fsdp_peft.fsdp_policies import configure_fsdp_for_peft, decoder_layer_classes, register_generate
 from fsdp_peft.loading import weights_loaded_after_sharding
@@ -29,7 +33,9 @@ def shard(trainer, prepare: Callable[[], Prepared]) -> Prepared:
        (`fsdp_peft.fsdp_policies.configure_fsdp_for_peft`); on TPUs, XLA FSDP's per-layer wrapping.
     2. Wrapping: Trainer's preparation, with transformers' FSDP1 PEFT update skipped (it would replace step 1's
        policies), XLA FSDP's optimizer created after the wrap, and, for low-memory loading, the weights streamed
-       from rank 0 into the shards right after accelerate shards the weightless skeleton.
+       from rank 0 into the shards right after accelerate shards the weightless skeleton. With sequence
+       parallelism the mesh is accelerate's (data x sequence, `fsdp_peft.sequence_parallel`), without the
+       ring-attention hooks accelerate would attach (they drop every attention mask).
     3. ``generate`` registered as an FSDP forward method (sharded sampling gathers each unit as forward does).
     """
     model = trainer.model
@@ -40,6 +46,7 @@ def shard(trainer, prepare: Callable[[], Prepared]) -> Prepared:
     with (
         trainer_peft_update_skipped(),
         xla_fsdp_optimizer_created(trainer),
+        context_parallel_hooks_skipped(trainer.accelerator),
         weights_loaded_after_sharding(model, trainer.accelerator),
     ):
         prepared = prepare()

@@ -40,6 +40,7 @@ from fsdp_peft.memory import MemoryReport
 from fsdp_peft.moe import RouterAuxLoss, router_aux_loss_weight
 from fsdp_peft.new_tokens import config_before_growth, write_new_tokens
 from fsdp_peft.runs import Run, RunBegins
+from fsdp_peft.sequence_parallel import sequence_parallel_mesh, split_for_training, tokens_counted_once
 from fsdp_peft.shard import shard
 from fsdp_peft.variants import converted_adapter_config, peft_adapter_tensors
 from fsdp_peft.xla import (
@@ -64,6 +65,7 @@ class PeftFsdpMixin:
         *args,
         fsdp_reduce_dtype: torch.dtype = torch.float32,
         loss_chunk_tokens: int = 0,
+        sequence_parallel_size: int = 1,
         recipe_config: dict | None = None,
         run: Run | None = None,
         callbacks=None,
@@ -71,6 +73,7 @@ class PeftFsdpMixin:
     ):
         self.fsdp_reduce_dtype = fsdp_reduce_dtype
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.sequence_parallel_size = sequence_parallel_size
         self.recipe_config = recipe_config or {}
         self.run_id = run.run_id if run is not None else None
         # The run's start becomes final at its first optimizer step (fsdp_peft.runs); the layout report goes
@@ -85,6 +88,8 @@ class PeftFsdpMixin:
             self.loss_chunk_tokens = 0
 
     def create_accelerator_and_postprocess(self):
+        if self.sequence_parallel_size > 1:
+            self.args.parallelism_config = sequence_parallel_mesh(self.sequence_parallel_size, self.args.world_size)
         if cpu_fsdp_requested(self.args):
             skip_sync_module_states(self.args)
         with parallelism_config_held_back(self.args):
@@ -99,6 +104,14 @@ class PeftFsdpMixin:
     def _prepare_for_training(self, *args, **kwargs):
         """Trainer's preparation as the middle of the sharding step (`fsdp_peft.shard`)."""
         return shard(self, lambda: super(PeftFsdpMixin, self)._prepare_for_training(*args, **kwargs))
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """A Ulysses split of each row over the sequence group (`fsdp_peft.sequence_parallel`)."""
+        return split_for_training(self, model, inputs)
+
+    def _track_num_input_tokens(self, inputs):
+        """Trainer's count of the tokens trained on, a sequence group's rows counted once."""
+        tokens_counted_once(self, lambda: super(PeftFsdpMixin, self)._track_num_input_tokens(inputs))
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, made visible only when complete, plus adapter config and recipe for export.

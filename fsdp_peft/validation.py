@@ -50,6 +50,7 @@ from fsdp_peft.moe import (
 )
 from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
 from fsdp_peft.safetensors_io import parse_size
+from fsdp_peft.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.tiny import TINY_DATASET_NAME
 from fsdp_peft.variants import (
     eva_forwards_the_loaded_model_before_sharding,
@@ -650,6 +651,8 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _attention_kernel_runs_here: EVERY,
     _architecture_has_the_attention_kernel: EVERY,
     _eval_tasks_are_harness_tasks: EVERY,
+    sequence_split_runs_here: EVERY,
+    sequence_split_fits_the_model: EVERY,
 }
 
 

@@ -36,6 +36,18 @@ CASES = {
         ["--eval_tasks", "tiny_reverse_em", "/nonexistent/my_task.yaml"],
         "eval_tasks: /nonexistent/my_task.yaml: file not found (a task YAML file)",
     ),
+    "sequence_split_runs_here": (
+        LORA_TINY,
+        {**ACCELERATE_FSDP1, "WORLD_SIZE": "2"},
+        ["--sequence_parallel_size", "2"],
+        "sequence_parallel_size: 2: FSDP1 cannot shard over the sequence mesh; use FSDP2 (fsdp_version: 2)",
+    ),
+    "sequence_split_fits_the_model": (
+        LORA_TINY,
+        {**ACCELERATE_FSDP2, "WORLD_SIZE": "3"},
+        ["--sequence_parallel_size", "3"],
+        "sequence_parallel_size: 3: tiny-llama has 4 query heads, which do not split over 3 ranks",
+    ),
     "expert_adapters_have_no_dropout": (
         MOE_TINY,
         {},
