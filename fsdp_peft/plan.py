@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
-from fsdp_peft.config import PREFERENCE, RL, procedure_of_config, resolve_recipe_config
+from fsdp_peft.config import PREFERENCE, RL, SFT, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import asks_for_xla, fsdp_settings, mixed_precision_dtype, trainer_fsdp_arguments
@@ -96,6 +96,7 @@ class MemoryPlan:
     host: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
+    longest_sequence: int | None = None  # SFT: the longest max_seq_length that fits, all else as planned
 
     @property
     def gpu_total(self) -> int:
@@ -294,9 +295,10 @@ def activation_bytes(
     norms' inputs and outputs (the adapters' inputs), q, the attention output and its copy into o_proj, k
     and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms' fp32
     upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0; and
-    ``c·h`` for the final norm's input. `benchmarks/activations.py` measures these against autograd's
-    saved tensors (fp32, 2026-12-01: body within 1%). With checkpointing, each layer keeps only its input
-    (``c·h``) and one layer is recomputed at a time.
+    ``c·h`` for the final norm's input; with ``sequence_parallel_size`` > 1 (``tokens``: the rank's 1/N of each
+    row), ``c·h`` more per layer (`benchmarks/sequence_parallel.py`: within 1%). `benchmarks/activations.py`
+    measures these against autograd's saved tensors (fp32, 2026-12-01: body within 1%). With checkpointing,
+    each layer keeps only its input (``c·h``) and one layer is recomputed at a time.
     Logits, saved: the fp32 log-softmax, ``tokens x vocab x 4``; the head output, its fp32 upcast and the
     gradient are transient (`loss_logits_bytes`). With the chunked loss (``loss_chunk_tokens`` > 0,
     `fsdp_peft.loss`) the saved part is ``tokens x (c·h + 8)``: the gradient of the hidden states and the
@@ -314,6 +316,8 @@ def activation_bytes(
     per_layer = compute_bytes * (6 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
     if recipe.lora_dropout > 0:
         per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
+    if recipe.sequence_parallel_size > 1:  # the attention output, exchanged back, no longer shares o_proj's input
+        per_layer += compute_bytes * h
     layers = model_config.num_hidden_layers
     body = tokens * (layers * compute_bytes * h + per_layer) if checkpointing else tokens * layers * per_layer
     body += tokens * compute_bytes * h  # the final norm's input
@@ -410,7 +414,13 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
     per_rank = int(training.get("per_device_train_batch_size") or 8)
-    tokens = per_rank * recipe.max_seq_length
+    tokens = per_rank * math.ceil(recipe.max_seq_length / recipe.sequence_parallel_size)  # a rank's 1/N of each row
+    if recipe.sequence_parallel_size > 1:
+        notes.append(
+            f"sequence_parallel_size {recipe.sequence_parallel_size}: each rank holds 1/"
+            f"{recipe.sequence_parallel_size} of every row (tokens per rank below); packed rows under sdpa add a "
+            "seq x seq boolean mask per micro-batch, not counted"
+        )
     preference = trl_trainer
     rollout_cache = 0
     if procedure == RL:  # GRPO: a row is a prompt and one sampled completion
@@ -500,7 +510,25 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
             "before quantizing them; fsdp_cpu_ram_efficient_loading: true quantizes them tensor by tensor on rank 0"
         )
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
+    if procedure == SFT and xla is None:
+        plan.longest_sequence = longest_sequence(plan, model_config, recipe, per_rank, compute_bytes, chunk_tokens)
     return plan
+
+
+def longest_sequence(plan: MemoryPlan, model_config, recipe, rows: int, compute_bytes: int, chunk: int) -> int:
+    """The longest ``max_seq_length`` (a multiple of 256, up to 4M) whose plan fits, all else as planned."""
+    fixed = plan.gpu_total - plan.gpu["activations (est.)"] - plan.gpu["loss logits, transient (est.)"]
+
+    def fits(length: int) -> bool:
+        tokens = rows * math.ceil(length / recipe.sequence_parallel_size)
+        saved = activation_bytes(model_config, recipe, tokens, compute_bytes, plan.activation_checkpointing, chunk)
+        return fixed + saved + loss_logits_bytes(model_config, chunk, tokens, compute_bytes) <= plan.gpu_memory_bytes
+
+    low, high = 0, 2**22 // 256  # in units of 256 tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * 256) else (low, middle - 1)
+    return low * 256
 
 
 def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_model_bytes: int, low_memory: bool):
@@ -574,5 +602,10 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("  (est.) rows are estimates; weights, gradients and optimizer rows are exact counts from the config")
     host_tips = [s for s in plan.suggestions if s.get("host")]
     lines += [f"  host RAM: {s['switch']} saves {gib(s['saves'])}" for s in host_tips]
+    if plan.longest_sequence is not None:
+        lines.append(
+            f"  longest max_seq_length that fits {budget(plan.gpu_memory_bytes)} per GPU with this batch: "
+            f"{plan.longest_sequence:,} tokens (estimate)"
+        )
     lines.append(verdict(plan))
     return "\n".join(lines)

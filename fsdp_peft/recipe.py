@@ -117,7 +117,7 @@ def start_training(recipe: RecipeArguments, training: TrainingArguments):
     run = start_run(dataclasses.asdict(recipe), training, training.resume_from_checkpoint)
     checkpoint = resume_point(training)
     if checkpoint is not None:
-        check_resumable(Path(checkpoint), training, run.run_id)
+        check_resumable(Path(checkpoint), training, run.run_id, recipe.sequence_parallel_size)
         logger.info(f"resuming from {checkpoint}")
     if recipe.trust_remote_code:
         logger.warning(

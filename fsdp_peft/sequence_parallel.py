@@ -225,6 +225,11 @@ def sequence_split(model: torch.nn.Module, split: SequenceGroup):
 def sequence_parallel_mesh(size: int, world_size: int):
     """accelerate's parallelism config for ``size``-rank sequence groups: its context-parallel dimension gives
     a group the same rows, and FSDP2 shards over data and sequence ranks together."""
+    if world_size % size or world_size < size:
+        raise ConfigError(
+            f"sequence_parallel_size: {size} does not divide this launch's {world_size} process(es); launch "
+            "with accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml (or fsdp2.yaml) on a multiple"
+        )
     return ParallelismConfig(dp_shard_size=world_size // size, cp_size=size)
 
 
@@ -275,11 +280,12 @@ def sequence_split_runs_here(context: RuleContext) -> str | None:
         )
     if on_xla():
         return f"{key}: the TPU route has no sequence split; set sequence_parallel_size: 1"
+    launched = "WORLD_SIZE" in os.environ  # a launch, or validate --accelerate-config: its ranks are known
     world = ranks().world_size
-    if world % n or world < n:
+    if launched and (world % n or world < n):
         return f"{key} does not divide this launch's {world} process(es); use a divisor of num_processes above 1"
     fsdp = context.fsdp
-    if fsdp is None and not launcher_asks_for_fsdp():
+    if launched and fsdp is None and not launcher_asks_for_fsdp():
         return f"{key}: the split runs under FSDP2; launch with configs/accelerate/cpu_fsdp2.yaml (or fsdp2.yaml)"
     if fsdp is not None and fsdp.version != 2:
         return f"{key}: FSDP{fsdp.version} cannot shard over the sequence mesh; use FSDP2 (fsdp_version: 2)"

@@ -135,7 +135,7 @@ class PeftFsdpMixin:
             self._get_output_dir = original
         if self.args.should_save:
             write_adapter_metadata(self.unwrapped_model(), self.recipe_config, staging_run / name)
-            layout = {**run_layout(self.args), "run_id": self.run_id}
+            layout = {**run_layout(self.args, self.sequence_parallel_size), "run_id": self.run_id}
             (staging_run / name / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
@@ -238,8 +238,9 @@ class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
 LAYOUT_FILE = "fsdp_peft_layout.json"
 
 
-def run_layout(args) -> dict:
-    """What a sharded checkpoint depends on: world size, global batch (data position), FSDP version."""
+def run_layout(args, sequence_parallel_size: int = 1) -> dict:
+    """What a sharded checkpoint depends on: world size, global batch (data position), FSDP version. A sequence
+    group's ranks hold the same rows: the global batch counts each group once."""
     settings = fsdp_settings(args)
     version = settings.version if settings is not None else None
     world, per_device, accumulation = (
@@ -249,22 +250,25 @@ def run_layout(args) -> dict:
     )
     return {
         "world_size": world,
+        "sequence_parallel_size": sequence_parallel_size,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
-        "global_batch_size": world * per_device * accumulation,
+        "global_batch_size": max(world // sequence_parallel_size, 1) * per_device * accumulation,
         "fsdp_version": version,
     }
 
 
 def _describe(layout: dict) -> str:
     fsdp = f"FSDP{layout['fsdp_version']}" if layout["fsdp_version"] else "no FSDP"
+    split = layout.get("sequence_parallel_size", 1)
+    ranks = f"{layout['world_size']} ranks" + (f" ({split} to a row)" if split > 1 else "")
     return (
-        f"{fsdp}, global batch {layout['global_batch_size']} = {layout['world_size']} ranks x "
+        f"{fsdp}, global batch {layout['global_batch_size']} = {ranks} x "
         f"{layout['per_device_train_batch_size']} per device x {layout['gradient_accumulation_steps']} accumulation"
     )
 
 
-def check_resumable(checkpoint: Path, args, run_id: str | None = None) -> None:
+def check_resumable(checkpoint: Path, args, run_id: str | None = None, sequence_parallel_size: int = 1) -> None:
     """Refuse, before any weights load, a resume that cannot continue the run exactly.
 
     Another world size is fine (FSDP2 sharded state is resharded on load) as long as the global batch
@@ -276,7 +280,7 @@ def check_resumable(checkpoint: Path, args, run_id: str | None = None) -> None:
         raise ConfigError(f"resume_from_checkpoint: {checkpoint} is not a directory")
     if not (checkpoint / LAYOUT_FILE).is_file():
         return  # not written by fsdp-peft: Trainer's own checks apply
-    saved, current = json.loads((checkpoint / LAYOUT_FILE).read_text()), run_layout(args)
+    saved, current = json.loads((checkpoint / LAYOUT_FILE).read_text()), run_layout(args, sequence_parallel_size)
     auto = str(args.resume_from_checkpoint).lower() in ("auto", "true")
     if auto and run_id and saved.get("run_id") not in (None, run_id):
         raise ConfigError(
@@ -290,9 +294,8 @@ def check_resumable(checkpoint: Path, args, run_id: str | None = None) -> None:
         wanted = f"FSDP{saved['fsdp_version']} (e.g. configs/accelerate/cpu_fsdp{saved['fsdp_version']}.yaml)"
         raise ConfigError(f"{where}. Its sharded state is only readable under {wanted}: relaunch with that")
     if saved["global_batch_size"] != current["global_batch_size"]:
-        per_rank, left = divmod(
-            saved["global_batch_size"], current["world_size"] * current["gradient_accumulation_steps"]
-        )
+        groups = max(current["world_size"] // current["sequence_parallel_size"], 1)
+        per_rank, left = divmod(saved["global_batch_size"], groups * current["gradient_accumulation_steps"])
         fix = f"--per_device_train_batch_size {per_rank}" if per_rank and not left else "the same global batch"
         raise ConfigError(
             f"{where}. Resuming would change which examples every remaining step sees; keep the global batch: {fix}"

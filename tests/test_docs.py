@@ -325,6 +325,10 @@ INSTEAD: dict[str, Run] = {
         "python benchmarks/activations.py --tokens 128 --vocab 4096",
         why="4 minutes: the same measurement and planner check on a 128-token, 4096-word shape",
     ),
+    "python benchmarks/sequence_parallel.py": Run(
+        "python benchmarks/sequence_parallel.py --lengths 256 --cap-tokens 256",
+        why="a minute: the same measurement and planner check on 256-token rows",
+    ),
     "bash benchmarks/gpu_check.sh": Run(
         "bash benchmarks/gpu_check.sh --dry-run", why="needs a GPU: its documented CPU dry run, same code"
     ),

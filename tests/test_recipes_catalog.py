@@ -129,6 +129,11 @@ def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelera
                 cli.main(command)
             assert "FSDP1 cannot run LoRA on expert parameters" in capsys.readouterr().err
             continue
+        if read_yaml_config(config).get("sequence_parallel_size", 1) > 1 and accelerate_config == "fsdp1.yaml":
+            with pytest.raises(SystemExit):  # the split shards over its mesh with FSDP2 (docs/long-context.md)
+                cli.main(command)
+            assert "FSDP1 cannot shard over the sequence mesh" in capsys.readouterr().err
+            continue
         cli.main(command)
         assert capsys.readouterr().out.strip().endswith(f"ok under {accelerate}")
 
@@ -274,7 +279,8 @@ def test_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_pa
     results = read_json(tmp_path / "results.json")
     if _eval_tasks(config):  # the harness ran at the end, on the sharded model
         assert results["eval_tasks"]["tiny_reverse_em"]["samples"] == 200
-    global_batch = 2 * values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
+    data_parallel = 2 // values.get("sequence_parallel_size", 1)  # a sequence group's ranks hold the same rows
+    global_batch = data_parallel * values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
     assert (results["steps"], results["tokens"], results["fsdp"]) == (2, 2 * global_batch * ROW_TOKENS, True)
     assert f"[fsdp-peft] {recipe}: 2 steps, {2 * global_batch * ROW_TOKENS:,} tokens" in result.stdout
     losses = [e["loss"] for e in read_json(tmp_path / "trainer_state.json")["log_history"] if "loss" in e]

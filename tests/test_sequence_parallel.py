@@ -9,6 +9,7 @@ them compares the gradients themselves (Adam would divide each element by its ow
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, read_json, run_command, write_tiny_model
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.sequence_parallel import document_causal_mask, split_rows
 
@@ -30,10 +31,16 @@ SGD = ["--optim", "sgd", "--learning_rate", "0.5"]
 CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
     "padded": ("llama_lora", SGD, 1e-5),
     "packed": ("llama_lora", [*SGD, "--packing", "true"], 1e-5),
-    "checkpointing": ("llama_lora", [*SGD, "--gradient_checkpointing", "true"], 1e-5),
-    "accumulation": ("llama_lora", [*SGD, "--gradient_accumulation_steps", "2"], 1e-5),
-    "eager": ("llama_lora", [*SGD, "--attn_implementation", "eager"], 1e-5),
-    "one-kv-head": ("llama_lora", [*SGD, "--model_name_or_path", "{kv1}"], 1e-5),
+    "checkpointing-accumulation": (
+        "llama_lora",
+        [*SGD, "--gradient_checkpointing", "true", "--gradient_accumulation_steps", "2"],
+        1e-5,
+    ),
+    "eager-one-kv-head": (
+        "llama_lora",
+        [*SGD, "--attn_implementation", "eager", "--model_name_or_path", "{kv1}"],
+        1e-5,
+    ),
     "qlora": ("llama_qlora", [], 1e-4),  # bf16 storage and compute: the recipe's own optimizer
 }
 
@@ -153,3 +160,39 @@ def test_what_the_split_cannot_make_exact_is_refused_in_one_line(name, monkeypat
                             procedure_of(config))  # fmt: skip
     problems = str(error.value).split("\n")
     assert any(p.strip().startswith(line) for p in problems), str(error.value)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A split run of 5 steps that checkpoints at step 3 and exports fp32 merged weights, and the same run
+    resumed from that checkpoint in another directory."""
+    full, again = tmp_path_factory.mktemp("split-full"), tmp_path_factory.mktemp("split-resumed")
+    split = [*COMMON, "--sequence_parallel_size", "2", "--save_strategy", "steps", "--save_steps", "3"]
+    launch_recipe("llama_lora", *split, "--output_dir", str(full), "--export_merged", "true", "--export_dtype", "fp32")
+    shutil.copytree(full / "checkpoint-3", again / "checkpoint-3")
+    launch_recipe(
+        "llama_lora", *split, "--output_dir", str(again), "--resume_from_checkpoint", str(again / "checkpoint-3")
+    )
+    return full, again
+
+
+@pytest.mark.slow
+def test_a_split_run_resumes_exactly_and_exports_peft_merge(resumed, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full, again = resumed
+    want, got = logged_losses(full), logged_losses(again)
+    assert [got[step] for step in (4, 5)] == [want[step] for step in (4, 5)]  # the same ranks, the same sums: 0.0
+    reference = load_file(full / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(again / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(adapter[k], v) for k, v in reference.items())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, full / "adapter").merge_and_unload().state_dict()
+    exported = {}
+    for shard in (full / "merged").glob("*.safetensors"):
+        exported.update(load_file(shard))
+    assert set(exported) <= set(merged) and set(merged) - set(exported) <= {"lm_head.weight"}  # tied: one copy
+    worst = max(((exported[k] - merged[k]).abs().max() / merged[k].abs().max()).item() for k in exported)
+    print(f"split run: resumed losses equal; merged export vs peft merge_and_unload: {worst:.1e}")
+    assert worst <= 1e-6
