@@ -29,6 +29,7 @@ LONGEST_FIRST = [
     "test_preference.py",
     "test_moe.py",
     "test_recipes_catalog.py",
+    "test_sequence_parallel.py",
     "test_generate_cli.py",
     "test_eval.py",
     "test_export_guards.py",

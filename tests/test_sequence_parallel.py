@@ -168,7 +168,8 @@ def resumed(tmp_path_factory):
     resumed from that checkpoint in another directory."""
     full, again = tmp_path_factory.mktemp("split-full"), tmp_path_factory.mktemp("split-resumed")
     split = [*COMMON, "--sequence_parallel_size", "2", "--save_strategy", "steps", "--save_steps", "3"]
-    launch_recipe("llama_lora", *split, "--output_dir", str(full), "--export_merged", "true", "--export_dtype", "fp32")
+    exported = ["--export_merged", "true", "--export_dtype", "fp32", "--generate_samples", "8"]  # and samples
+    launch_recipe("llama_lora", *split, "--output_dir", str(full), *exported)
     shutil.copytree(full / "checkpoint-3", again / "checkpoint-3")
     launch_recipe(
         "llama_lora", *split, "--output_dir", str(again), "--resume_from_checkpoint", str(again / "checkpoint-3")
@@ -177,11 +178,13 @@ def resumed(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_split_run_resumes_exactly_and_exports_peft_merge(resumed, tiny_model_dir):
+def test_a_split_run_generates_resumes_exactly_and_exports_peft_merge(resumed, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     full, again = resumed
+    samples = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and all("generated" in s for s in samples)  # generation after a split run: unsplit
     want, got = logged_losses(full), logged_losses(again)
     assert [got[step] for step in (4, 5)] == [want[step] for step in (4, 5)]  # the same ranks, the same sums: 0.0
     reference = load_file(full / "adapter" / "adapter_model.safetensors")
