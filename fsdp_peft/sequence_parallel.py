@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fsdp_peft.attention import chosen_attention, model_class_named
 from fsdp_peft.config import SFT
+from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
@@ -157,7 +158,6 @@ class _SdpaModule:
 
     num_key_value_groups: int
     is_causal: bool = True
-    training: bool = False
 
 
 def _register() -> None:
@@ -263,9 +263,6 @@ def tokens_counted_once(trainer, count) -> None:
         trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // config.cp_size
 
 
-PARALLELISM_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"
-
-
 def sequence_split_runs_here(context: RuleContext) -> str | None:
     """The split runs SFT under FSDP2 over a launch whose size it divides, on one of `KERNELS`."""
     recipe = context.recipe
@@ -289,7 +286,7 @@ def sequence_split_runs_here(context: RuleContext) -> str | None:
         return f"{key}: the split runs under FSDP2; launch with configs/accelerate/cpu_fsdp2.yaml (or fsdp2.yaml)"
     if fsdp is not None and fsdp.version != 2:
         return f"{key}: FSDP{fsdp.version} cannot shard over the sequence mesh; use FSDP2 (fsdp_version: 2)"
-    if os.environ.get(PARALLELISM_VARIABLE, "false").lower() == "true":
+    if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() == "true":
         return (
             f"{key} with the launcher's parallelism_config (HSDP or context parallel): the split builds its own "
             "mesh; drop parallelism_config from the accelerate config"

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
+from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.data.formats import DATA_FORMATS
 from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, is_local_path
 from fsdp_peft.data.tokenize import TRUNCATIONS
@@ -377,7 +378,7 @@ PARALLELISM_SIZES = ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP")
 
 def _parallelism_config_fills_the_launch(context: RuleContext) -> str | None:
     env = os.environ
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" or "WORLD_SIZE" not in env:
+    if env.get(USE_PARALLELISM_CONFIG, "false").lower() != "true" or "WORLD_SIZE" not in env:
         return None
     sizes = {name.lower(): int(env.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1")) for name in PARALLELISM_SIZES}
     product = math.prod(sizes.values())
