@@ -299,7 +299,8 @@ def sequence_split_runs_here(context: RuleContext) -> str | None:
 
 
 def sequence_split_fits_the_model(context: RuleContext) -> str | None:
-    """Heads divide over the group, every layer attends to the whole causal prefix, and the model is dense."""
+    """Heads divide over the group, every layer attends to the whole causal prefix, and a mixture of experts adds
+    no load-balancing loss."""
     recipe = context.recipe
     n = recipe.sequence_parallel_size
     if n <= 1:
@@ -330,9 +331,13 @@ def sequence_split_fits_the_model(context: RuleContext) -> str | None:
             f"{key}: {name} has sliding-window or chunked attention layers; the split attends to the whole causal "
             "prefix and would lose the window: set sequence_parallel_size: 1"
         )
-    if expert_count(text):
+    aux = recipe.router_aux_loss_coef
+    if aux is None:  # unset: as the model's config says (`moe.configure_router_aux_loss`)
+        aux = getattr(text, "router_aux_loss_coef", 0.0) if getattr(text, "output_router_logits", False) else 0.0
+    if expert_count(text) and aux:
         return (
-            f"{key}: {name} is a mixture of experts; its router's auxiliary loss is not yet made exact under the "
-            "split: set sequence_parallel_size: 1"
+            f"{key}: {name} is a mixture of experts whose router's load-balancing loss is on ({aux}); that loss "
+            "multiplies two means over all of a row's tokens, which the split does not gather: set "
+            "router_aux_loss_coef: 0 (or sequence_parallel_size: 1)"
         )
     return None

@@ -44,6 +44,7 @@ CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
         [*SGD, "--attn_implementation", "eager", "--model_name_or_path", "{kv1}"],
         1e-5,
     ),
+    "moe": ("qwen_moe_lora", [*SGD, "--router_aux_loss_coef", "0"], 1e-5),  # LoRA on the experts, no aux loss
     "qlora": ("llama_qlora", [], 1e-4),  # bf16 storage and compute: the recipe's own optimizer
 }
 
@@ -142,7 +143,8 @@ REFUSALS = {  # name: (config, environment, overrides, the line)
                        ["--sequence_parallel_size", "2", "--model_name_or_path", "{gemma2}"],
                        "sequence_parallel_size: 2: {gemma2} has sliding-window or chunked attention layers"),
     "moe": (REPO / "configs" / "qwen_moe_lora" / "tiny.yaml", {**FSDP2, "WORLD_SIZE": "2"},
-            ["--sequence_parallel_size", "2"], "sequence_parallel_size: 2: tiny-qwen3-moe is a mixture of experts"),
+            ["--sequence_parallel_size", "2"],
+            "sequence_parallel_size: 2: tiny-qwen3-moe is a mixture of experts whose router's load-balancing"),
     "dpo": (REPO / "configs" / "llama_dpo" / "tiny.yaml", {**FSDP2, "WORLD_SIZE": "2"},
             ["--sequence_parallel_size", "2"], "sequence_parallel_size: 2: the preference and GRPO recipes train"),
 }  # fmt: skip
