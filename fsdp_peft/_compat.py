@@ -380,6 +380,14 @@ UPSTREAM: tuple[Upstream, ...] = (
         "TRL reads is_activation_checkpointing",
         mentions=("is_gradient_checkpointing",),
     ),
+    Upstream(
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VLForConditionalGeneration.forward",
+        ("self", "input_ids", "labels"),
+        "fsdp_peft._compat.loss_counts_every_ranks_tokens",
+        "Qwen2.5-VL says accepts_loss_kwargs = False, yet its forward hands **kwargs on to its loss function",
+        "Qwen2.5-VL's class no longer sets accepts_loss_kwargs = False",
+        mentions=("self.loss_function(", "**kwargs"),
+    ),
 )
 TRL_VERIFIED = {"trl": ("1.16.0", "1.17")}  # checked where trl is imported: its recipes, not SFT or the CLI
 
@@ -536,6 +544,29 @@ def context_parallel_hooks_skipped(accelerator):
         yield
     finally:
         del accelerator._prepare_cp
+
+
+def _vision_models_refusing_loss_kwargs() -> bool:
+    from transformers import Qwen2_5_VLForConditionalGeneration  # lazy: only vision runs need it
+
+    return Qwen2_5_VLForConditionalGeneration.accepts_loss_kwargs is False
+
+
+@patch("transformers", still_needed=_vision_models_refusing_loss_kwargs)
+def loss_counts_every_ranks_tokens(trainer, vision: bool) -> None:
+    """Sets ``trainer.model_accepts_loss_kwargs`` when ``vision`` (the model is a vision-language model of a known
+    family) and its class says it takes no loss kwargs.
+
+    Why: transformers 5.24's Qwen2.5-VL sets ``accepts_loss_kwargs = False`` although its forward hands ``**kwargs``
+    on to ``self.loss_function``; Trainer then passes no ``num_items_in_batch``, each rank divides by its own
+    labelled tokens, and 2 ranks whose rows differ in answer length train other gradients than one process on the
+    same rows (measured: 6.7e-4 relative loss difference at the first step after rows of unequal length).
+    Remove when: the class no longer sets the attribute to False.
+    """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if vision and getattr(type(base), "accepts_loss_kwargs", True) is False:
+        trainer.model_accepts_loss_kwargs = True
 
 
 @patch("accelerate")

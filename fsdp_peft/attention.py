@@ -14,7 +14,7 @@ import re
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.utils import (
     is_flash_attn_2_available,
@@ -76,6 +76,8 @@ def causal_lm_class(config, trust_remote_code: bool = False) -> type | None:
             return get_class_from_dynamic_module(reference, config.name_or_path, local_files_only=True)
         except (OSError, ValueError, ImportError):
             return None
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (fsdp_peft.vision)
+        return AutoModelForImageTextToText._model_mapping.get(type(config), None)
     return AutoModelForCausalLM._model_mapping.get(type(config), None)
 
 

@@ -81,6 +81,14 @@ class RecipeArguments:
     train_router: bool = field(
         default=False, metadata={"help": "mixture of experts: train the router (a full copy) next to the adapters"}
     )
+    lora_vision_tower: bool = field(
+        default=False,
+        metadata={"help": "vision-language model: LoRA on the vision tower's linear layers too (docs/vision.md)"},
+    )
+    train_projector: bool = field(
+        default=False,
+        metadata={"help": "vision-language model: train the projector from image features to text (a full copy)"},
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={

@@ -20,6 +20,16 @@ AUTO_TARGETS = "auto"
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """Where a vision-language model keeps its parts (module paths from the ``...ForConditionalGeneration``)."""
+
+    tower: str  # the vision encoder: frozen and 16-bit unless adapted (`fsdp_peft.vision`)
+    projector: str  # vision features -> text embeddings; trained as a full copy with ``train_projector``
+    language_model: str  # the decoder that LoRA adapts by default
+    block: str  # the vision encoder's layer class: one FSDP unit each
+
+
+@dataclass(frozen=True)
 class Family:
     """How one model family is fine-tuned; see the module docstring for each field's use."""
 
@@ -32,6 +42,7 @@ class Family:
     tiny_model: str | None  # embedded stand-in, built by fsdp_peft.tiny
     tiny_architecture: str | None  # its transformers class
     router_module: str | None = None  # mixture of experts: the router's module name (``train_router``)
+    vision: VisionLayout | None = None  # a vision-language model: its parts
 
 
 FAMILIES = (
@@ -98,6 +109,39 @@ FAMILIES = (
         tiny_model="tiny-mixtral",
         tiny_architecture="MixtralForCausalLM",
         router_module="gate",
+    ),
+    # Vision-language models: LoRA on the language model's layers by default (`fsdp_peft.vision`)
+    Family(
+        name="qwen2_5_vl",
+        model_types=("qwen2_5_vl",),
+        decoder_layer="Qwen2_5_VLDecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<|endoftext|>",),
+        chat_template_hint="use a Qwen2.5-VL -Instruct checkpoint (ChatML template with image parts)",
+        tiny_model="tiny-qwen2.5-vl",
+        tiny_architecture="Qwen2_5_VLForConditionalGeneration",
+        vision=VisionLayout(
+            tower="model.visual",
+            projector="model.visual.merger",
+            language_model="model.language_model",
+            block="Qwen2_5_VLVisionBlock",
+        ),
+    ),
+    Family(
+        name="gemma3",
+        model_types=("gemma3",),
+        decoder_layer="Gemma3DecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<pad>",),
+        chat_template_hint="use a Gemma 3 -it checkpoint (its template has image parts)",
+        tiny_model="tiny-gemma3-vl",
+        tiny_architecture="Gemma3ForConditionalGeneration",
+        vision=VisionLayout(
+            tower="model.vision_tower",
+            projector="model.multi_modal_projector",
+            language_model="model.language_model",
+            block="SiglipEncoderLayer",
+        ),
     ),
 )
 

@@ -46,9 +46,13 @@ MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None = None) -> set[type]:
     """The decoder layer classes that become units: the ``configured`` names, else the family's decoder
-    layer (`fsdp_peft.families`), else the model's ``_no_split_modules`` (the generic path)."""
-    family_layer = family_of_model(model).decoder_layer
-    names = configured or ([family_layer] if family_layer else list(getattr(model, "_no_split_modules", None) or []))
+    layer (and a vision-language model's vision encoder layer: `fsdp_peft.families`), else the model's
+    ``_no_split_modules`` (the generic path)."""
+    family = family_of_model(model)
+    family_layers = [family.decoder_layer] if family.decoder_layer else []
+    if family.vision is not None:  # a vision-language model: its vision encoder's layers too
+        family_layers.append(family.vision.block)
+    names = configured or family_layers or list(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     missing = set(names) - {c.__name__ for c in classes}
     if missing:

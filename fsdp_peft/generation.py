@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,12 +145,19 @@ def _restore_reshard_setting(unit, setting: tuple) -> None:
 
 @torch.no_grad()
 def generate_completions(
-    model, tokenizer, prompts: list[str], settings: GenerationSettings, device: torch.device, streamer=None
+    model,
+    tokenizer,
+    prompts: list,
+    settings: GenerationSettings,
+    device: torch.device,
+    streamer=None,
+    encode: Callable[[list], dict] | None = None,
 ) -> list[str] | None:
     """Completions for ``prompts``: the full list on rank 0, ``None`` on other ranks.
 
     ``streamer`` (a transformers streamer) receives rank 0's tokens as they are generated; it needs
-    batches of one prompt.
+    batches of one prompt. ``encode``: a batch of prompts to model inputs (default: ``tokenizer`` on texts; a
+    vision-language model's processor on texts with images).
     """
     # the process group's ranks, the ones the gathers run over (`fsdp_peft.distributed.ranks`: the launcher's)
     rank, world = group_ranks()
@@ -160,7 +167,7 @@ def generate_completions(
         # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
         calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None
         own = [prompts[i] for i in mine]
-        texts = complete_on_this_rank(model, tokenizer, own, settings, device, calls, prompts[0], streamer)
+        texts = complete_on_this_rank(model, tokenizer, own, settings, device, calls, prompts[0], streamer, encode)
     results = list(zip(mine, texts))
     if world == 1:
         return [text for _, text in sorted(results)]
@@ -199,8 +206,9 @@ def complete_on_this_rank(
     settings: GenerationSettings,
     device: torch.device,
     calls: int | None = None,
-    placeholder: str | None = None,
+    placeholder=None,
     streamer=None,
+    encode: Callable[[list], dict] | None = None,
 ) -> list[str]:
     """This rank's completions of its own ``prompts``, in order, ``settings.batch_size`` per ``generate`` call.
 
@@ -214,9 +222,12 @@ def complete_on_this_rank(
     with evaluation_mode(model, tokenizer):
         for index in range(count):
             texts = prompts[index * settings.batch_size : (index + 1) * settings.batch_size]
-            encoded = tokenizer(texts or [placeholder], return_tensors="pt", padding=True, add_special_tokens=False).to(
-                device
-            )
+            batch = texts or [placeholder]
+            if encode is None:
+                encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            else:
+                encoded = encode(batch)
+            encoded = {key: value.to(device) for key, value in encoded.items()}
             output = model.generate(
                 **encoded,
                 max_new_tokens=settings.max_new_tokens,

@@ -15,6 +15,7 @@ from peft import LoraConfig, set_peft_model_state_dict
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     BitsAndBytesConfig,
     PreTrainedModel,
@@ -54,6 +55,14 @@ from fsdp_peft.variants import (
     remember_initial_adapter,
     trained_copies_compute_in_the_model_dtype,
 )
+from fsdp_peft.vision import (
+    is_vision_config,
+    lora_target_regex,
+    projector_to_save,
+    quantization_skip_modules,
+    vision_runs_on_every_rank,
+    vision_weights_kept,
+)
 
 
 def build_model(recipe: RecipeArguments, training: TrainingArguments, tokenizer):
@@ -74,6 +83,8 @@ def build_model(recipe: RecipeArguments, training: TrainingArguments, tokenizer)
     model = attach_lora(base, recipe, training)
     if recipe.adapter_name_or_path:
         start_from_trained_adapter(model, Path(recipe.adapter_name_or_path))
+    if family_of_model(model).vision is not None:  # a rank without images still runs the tower (fsdp_peft.vision)
+        vision_runs_on_every_rank(model)
     return model
 
 
@@ -130,7 +141,11 @@ def quantization_config(recipe: RecipeArguments) -> BitsAndBytesConfig | None:
     """QLoRA's 4-bit config; the storage dtype is the FSDP gather dtype so shards hold whole bytes."""
     if not recipe.load_in_4bit:
         return None
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(recipe.model_name_or_path), trust_remote_code=recipe.trust_remote_code
+    )
     return BitsAndBytesConfig(
+        llm_int8_skip_modules=quantization_skip_modules(family_for(config.model_type)),  # a VLM's tower: 16-bit
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
@@ -155,7 +170,9 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
             path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
+        auto_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+        model = auto_class.from_pretrained(
             path,
             dtype=getattr(torch, recipe.torch_dtype),
             quantization_config=quantization_config(recipe),
@@ -187,6 +204,9 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
             f"{' and experts' if record_of(model).quantized_experts else ''}); the rest (embeddings, head, norms"
             f"{', routers' if record_of(model).quantized_experts else ''}) in {recipe.torch_dtype}"
         )
+        if (vision := family_of_model(model).vision) is not None:
+            kept = vision_weights_kept(model, vision)
+            logger.info(f"4-bit base: the vision tower and projector stay {recipe.torch_dtype}: {kept:,} weights")
     return model
 
 
@@ -207,6 +227,12 @@ def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bo
     arguments["trainable_token_indices"] = trained_token_indices(model, recipe.trainable_token_indices)
     arguments["target_parameters"] = lora_target_parameters(recipe.lora_target_parameters, model)
     family = family_of_model(model)
+    targets = lora_targets(recipe.lora_target_modules, family)
+    if family.vision is not None:  # the language model's layers (and the tower's with lora_vision_tower) only
+        names = [targets] if isinstance(targets, str) else targets
+        targets = lora_target_regex(model, family.vision, names, recipe.lora_vision_tower)
+        if recipe.train_projector:
+            arguments["modules_to_save"] = [*(arguments["modules_to_save"] or []), projector_to_save(family.vision)]
     if recipe.train_router:  # a full trained copy of every MoE layer's router
         routers = router_modules(model, family.router_module) if family.router_module else []
         if not routers:
@@ -219,7 +245,7 @@ def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bo
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
-        target_modules=lora_targets(recipe.lora_target_modules, family),
+        target_modules=targets,
         task_type="CAUSAL_LM",
         **arguments,
     )

@@ -1,7 +1,8 @@
 """Where things live on disk: fsdp-peft's cache, the embedded tiny models in it, and a model name's directory.
 
 The cache is ``$FSDP_PEFT_CACHE``, else ``~/.cache/fsdp_peft``: the tiny models' checkpoints (built from
-their seed by `fsdp_peft.tiny` on first use) and the tokenized data (`fsdp_peft.data.cache`).
+their seed by `fsdp_peft.tiny` and `fsdp_peft.tiny_vision` on first use), the embedded image task
+(`tiny_colors_path`) and the tokenized data (`fsdp_peft.data.cache`).
 `resolve_model_path` turns a ``model_name_or_path`` that names a tiny model into its cache directory.
 """
 
@@ -12,7 +13,16 @@ import os
 from pathlib import Path
 
 from fsdp_peft.atomic_publish import publish_directory
-from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES, WEIGHTS_SEED, write_tiny_model
+from fsdp_peft.tiny import TINY_MODEL_ASSETS, TINY_MODEL_NAME, TINY_MODEL_NAMES, WEIGHTS_SEED, write_tiny_model
+from fsdp_peft.tiny_vision import (
+    COLORS_SEED,
+    TINY_COLORS_NAME,
+    TINY_VISION_MODEL_NAMES,
+    write_tiny_colors,
+    write_tiny_vision_model,
+)
+
+EMBEDDED_MODEL_NAMES = (*TINY_MODEL_NAMES, *TINY_VISION_MODEL_NAMES)  # causal LMs, then vision-language models
 
 
 def cache_dir() -> Path:
@@ -22,13 +32,27 @@ def cache_dir() -> Path:
 
 def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
     """Tiny model ``name``'s checkpoint directory, created on first use (safe when several ranks race)."""
-    if name not in TINY_MODEL_NAMES:
-        raise ValueError(f"no embedded model called {name!r}; there are {', '.join(TINY_MODEL_NAMES)}")
+    if name not in EMBEDDED_MODEL_NAMES:
+        raise ValueError(f"no embedded model called {name!r}; there are {', '.join(EMBEDDED_MODEL_NAMES)}")
     target = cache_dir() / f"{name}-seed{WEIGHTS_SEED}"
     if (target / "model.safetensors").is_file():
         return target
     with publish_directory(target) as staging:
-        write_tiny_model(name, staging)
+        if name in TINY_VISION_MODEL_NAMES:
+            write_tiny_vision_model(name, staging, TINY_MODEL_ASSETS, WEIGHTS_SEED)
+        else:
+            write_tiny_model(name, staging)
+    return target
+
+
+def tiny_colors_path() -> Path:
+    """The embedded image task's directory (``train.jsonl``, ``eval.jsonl``, ``images/``), created on first use
+    (safe when several ranks race)."""
+    target = cache_dir() / f"{TINY_COLORS_NAME}-seed{COLORS_SEED}"
+    if (target / "eval.jsonl").is_file():
+        return target
+    with publish_directory(target) as staging:
+        write_tiny_colors(staging)
     return target
 
 
@@ -38,10 +62,10 @@ def resolve_model_path(name: str) -> str:
     A tiny model is named by its name (``tiny-qwen2``) or by a cache directory of it that no longer
     exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here.
     """
-    if name in TINY_MODEL_NAMES:
+    if name in EMBEDDED_MODEL_NAMES:
         return str(tiny_model_path(name))
     path = Path(name)
-    for tiny in TINY_MODEL_NAMES:
+    for tiny in EMBEDDED_MODEL_NAMES:
         if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
             return str(tiny_model_path(tiny))
     return name

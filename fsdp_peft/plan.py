@@ -24,12 +24,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
 from fsdp_peft.config import PREFERENCE, RL, SFT, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import family_of_model
 from fsdp_peft.fsdp_policies import decoder_layer_classes, fsdp1_wrap_policy
 from fsdp_peft.fsdp_settings import asks_for_xla, fsdp_settings, mixed_precision_dtype, trainer_fsdp_arguments
 from fsdp_peft.loss import ON_XLA, chunked_loss_unavailable
@@ -40,6 +41,7 @@ from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import known_model_config, resolve_model_path
 from fsdp_peft.validation import check_keys, layer_checkpointing
 from fsdp_peft.variants import stored_weight
+from fsdp_peft.vision import auto_model_class, is_vision_config, quantization_skip_modules
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
 
 GIB = 2**30
@@ -165,7 +167,7 @@ def estimated_quantization_constant_bytes(numel: int, double_quant: bool, quant_
 def meta_peft_model(model_config, recipe):
     """The model with the recipe's LoRA adapters, on the meta device: shapes without memory."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=recipe.trust_remote_code)
+        model = auto_model_class(model_config).from_config(model_config, trust_remote_code=recipe.trust_remote_code)
         if recipe.new_special_tokens:  # the grown embedding and head (and logits), their new rows trained
             grow_vocabulary(model, load_tokenizer(recipe), recipe)
             model_config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -209,8 +211,11 @@ def count_model(
     layers = [m for m in inner.modules() if isinstance(m, layer_classes)]
     counts = ModelCounts()
     linear: set[int] = set()  # transformers' bnb quantizer converts every nn.Linear except the output head
-    for module in inner.modules():
+    kept = tuple(f"{name}." for name in quantization_skip_modules(family_of_model(inner)) or ())  # a VLM's tower
+    for name, module in inner.named_modules():
         if isinstance(module, torch.nn.Linear) and module.weight is not head_weight and not module.weight.requires_grad:
+            if f"{name}.".startswith(kept):
+                continue  # 16-bit under QLoRA (`fsdp_peft.vision`)
             linear.add(id(module.weight))
             counts.largest_linear_numel = max(counts.largest_linear_numel, module.weight.numel())
             counts.linear_weight_bytes += shard_numel(tuple(module.weight.shape), world_size) * base_bytes
@@ -305,6 +310,7 @@ def activation_bytes(
     labelled rows' indices (every token counted as labelled). ``chunk_tokens`` overrides the recipe's
     ``loss_chunk_tokens``.
     """
+    model_config = model_config.get_text_config()  # a vision-language model: its language model
     h = model_config.hidden_size
     i = getattr(model_config, "intermediate_size", 4 * h)
     experts = expert_count(model_config)
@@ -335,6 +341,7 @@ def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_byte
     """The loss's transient logits (not saved for backward). The model's own loss: the head output, its fp32
     upcast (``c`` < 4) and the fp32 gradient, for every token. The chunked loss: for one chunk, all of
     that and its fp32 log-softmax (the chunk's own small graph, freed before the next chunk)."""
+    model_config = model_config.get_text_config()
     upcast = 4 if compute_bytes != 4 else 0
     if not chunk_tokens:
         return tokens * model_config.vocab_size * (compute_bytes + upcast + 4)
@@ -413,6 +420,11 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
     offload = bool(settings and settings.offload_params)
+    if is_vision_config(model_config):
+        notes.append(
+            "vision-language model: image tokens count within max_seq_length; the vision tower and projector are "
+            "counted with the weights, their activations per image are not"
+        )
     per_rank = int(training.get("per_device_train_batch_size") or 8)
     tokens = per_rank * math.ceil(recipe.max_seq_length / recipe.sequence_parallel_size)  # a rank's 1/N of each row
     if recipe.sequence_parallel_size > 1:
@@ -488,7 +500,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=chunk_tokens
     )
     plan.gpu["loss logits, transient (est.)"] = (
-        min(tokens, TRL_TOKEN_TILE) * min(model_config.vocab_size, TRL_VOCAB_TILE) * compute_bytes
+        min(tokens, TRL_TOKEN_TILE) * min(model_config.get_text_config().vocab_size, TRL_VOCAB_TILE) * compute_bytes
         if preference
         else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     )

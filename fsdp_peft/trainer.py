@@ -19,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from fsdp_peft._compat import (
     fsdp1_adapter_checkpoints,
     fsdp2_accumulation_skips_ungathered_parameters,
+    loss_counts_every_ranks_tokens,
     trl_without_the_checkpointing_warning,
 )
 from fsdp_peft.adapter_files import RECIPE_FILE, write_base_record
@@ -31,6 +32,7 @@ from fsdp_peft.cpu_fsdp import (
 )
 from fsdp_peft.dtypes import trainable_dtypes_kept
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import family_of_model
 from fsdp_peft.fsdp_layout import FsdpLayoutReport, unit_name
 from fsdp_peft.fsdp_settings import fsdp_settings
 from fsdp_peft.loading import pending_checkpoint
@@ -205,6 +207,8 @@ class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        vision = family_of_model(causal_lm_of(self.model)).vision is not None
+        loss_counts_every_ranks_tokens(self, vision)  # a vision-language model's loss: every rank's tokens
         self.router_aux_loss = RouterAuxLoss(router_aux_loss_weight(causal_lm_of(self.model)))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
@@ -29,7 +29,7 @@ from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.export import OUTPUT_DTYPES
-from fsdp_peft.families import family_for, lora_targets
+from fsdp_peft.families import FAMILIES, family_for, lora_targets
 from fsdp_peft.fsdp_policies import decoder_layer_classes
 from fsdp_peft.fsdp_settings import (
     RuleContext,
@@ -64,6 +64,7 @@ from fsdp_peft.variants import (
     trainable_tokens_and_their_embedding_copy_exclude_each_other,
     variant_keys_are_known,
 )
+from fsdp_peft.vision import auto_model_class, is_vision_config
 from fsdp_peft.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
 
 GPU_ONLY_OPTIMIZER_MARKS = ("bnb", "8bit", "paged", "apex", "galore", "lomo")
@@ -177,6 +178,14 @@ def _model_config_is_a_causal_lm(context: RuleContext) -> str | None:
         remote = "" if recipe.trust_remote_code else " (if its code lives in its hub repo: trust_remote_code: true)"
         return f"model_name_or_path: the config of {name} does not load: {_first_line(error)}{remote}"
     custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if is_vision_config(config):  # a vision-language model: one whose parts a family entry names
+        if family_for(config.model_type).vision is None:
+            known = ", ".join(f.name for f in FAMILIES if f.vision is not None)
+            return (
+                f"model_name_or_path: {name} is a '{config.model_type}' vision-language model, whose vision tower, "
+                f"projector and layers fsdp_peft does not know (it knows {known}); use one of those (docs/vision.md)"
+            )
+        return None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not custom:
         return (
             f"model_name_or_path: {name} is a '{config.model_type}' model, which has no causal language model head "
@@ -673,7 +682,7 @@ def model_structure_problems(recipe) -> list[str]:
         return []  # not downloaded yet, or refused by `_model_config_is_a_causal_lm`
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+            model = auto_model_class(config).from_config(config, trust_remote_code=recipe.trust_remote_code)
     except ValueError:
         return []  # not a causal LM: `_model_config_is_a_causal_lm` says so
     problems = []

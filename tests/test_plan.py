@@ -15,7 +15,12 @@ from fsdp_peft.cli import _environment, launcher_environment, main
 from fsdp_peft.plan import plan_memory
 
 CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
-RECIPES = {"lora": "llama_lora", "qlora": "llama_qlora"}
+RECIPES = {
+    "lora": "llama_lora",
+    "qlora": "llama_qlora",
+    "qwen-vl-qlora": "qwen_vl_qlora",
+    "gemma3-vl-qlora": "gemma3_vl_qlora",
+}
 
 
 def recipe_config(tmp_path: Path, method: str, **overrides) -> Path:
@@ -54,7 +59,7 @@ def first_shard_bytes(tensor: torch.Tensor, world_size: int) -> int:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method", list(RECIPES))
 def test_planned_parameter_bytes_per_rank_equal_those_of_the_loaded_model(loaded_models, tmp_path, method, world_size):
     model = loaded_models[method]
     plan = plan_for(recipe_config(tmp_path, method), world_size)

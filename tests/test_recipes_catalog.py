@@ -56,7 +56,8 @@ def _family_prefix(recipe: str) -> str:
 
 def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_path):
     recipes = sorted(p.stem for p in RECIPES.glob("*.py"))
-    sft = [f"{f}_{k}" for f in ("llama", "mistral", "qwen", "qwen_moe", "mixtral") for k in ("lora", "qlora")]
+    families = ("llama", "mistral", "qwen", "qwen_moe", "mixtral", "qwen_vl", "gemma3_vl")
+    sft = [f"{f}_{k}" for f in families for k in ("lora", "qlora")]
     assert recipes == sorted([*sft, "llama_dpo", "qwen_dpo", "llama_grpo", "qwen_grpo"])
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
@@ -64,6 +65,8 @@ def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_pa
         argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of(config)
         if procedure is not SFT_PROCEDURE:  # the recipe runs the procedure its config's keys belong to
             assert f"procedure={procedure_name(procedure)})" in (RECIPES / f"{recipe}.py").read_text(), recipe
+        if "_vl_" in recipe:  # a vision-language model's SFT: its rows have images (docs/vision.md)
+            assert "procedure=VISION_SFT_PROCEDURE)" in (RECIPES / f"{recipe}.py").read_text(), recipe
         args, _ = parse_recipe_config(argv, config, "unused", procedure=procedure)
         assert tiny_family(args.model_name_or_path).name.startswith(_family_prefix(recipe)), recipe
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe

@@ -1,0 +1,138 @@
+"""Vision-language models under FSDP: which parts LoRA adapts, which stay 16-bit, and every rank runs the tower.
+
+A family with a `fsdp_peft.families.VisionLayout` is a vision-language model (``...ForConditionalGeneration``,
+loaded with ``AutoModelForImageTextToText``): a vision encoder (the tower), a projector from its features to the
+text embeddings, and a language model. By default LoRA adapts the language model only (peft would otherwise match
+the same names inside the tower: `lora_target_regex`), the tower and projector are frozen and, under QLoRA, kept in
+16 bits (`quantization_skip_modules`; transformers matches skip names from the start of the full module name or as
+a suffix, so a bare ``visual`` matches nothing). ``lora_vision_tower`` adds LoRA to the tower's linear layers,
+``train_projector`` trains the projector as a full copy.
+
+A batch without images on one rank and with images on another would call different FSDP units there (the tower's
+blocks gather on one rank only): gloo aborts, NCCL hangs. `vision_runs_on_every_rank` makes a forward without
+images run the tower on one fixed blank image and add zero times its features to the text embeddings: the same
+units gather and reduce on every rank, and the loss and gradients are those of the forward without it.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import torch
+
+from fsdp_peft.families import Family, VisionLayout, family_of_model
+
+ALL_LINEAR = "all-linear"
+
+
+def is_vision_config(config) -> bool:
+    """Whether a model config is a vision-language model's (it has a vision encoder's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config):
+    """The transformers auto class that builds ``config``'s model: ``AutoModelForImageTextToText`` for a
+    vision-language model, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # lazy: model code
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
+def _linear_leaves(model: torch.nn.Module, prefix: str) -> list[str]:
+    """The last name part of every ``nn.Linear`` under module path ``prefix`` (sorted, each once)."""
+    inside = f"{prefix}."
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n.startswith(inside) and type(m) is torch.nn.Linear}
+    )
+
+
+def _under(prefix: str, names: list[str]) -> str:
+    return rf"{re.escape(prefix)}\.(?:.*\.)?(?:{'|'.join(map(re.escape, names))})"
+
+
+def lora_target_regex(model: torch.nn.Module, layout: VisionLayout, names: list[str], vision_tower: bool) -> str:
+    """peft's ``target_modules`` (a regex peft matches against whole module names) for ``names`` (module names, or
+    ``all-linear``) inside the language model only; with ``vision_tower`` every linear layer of the tower's blocks
+    too (not the projector: it trains whole with ``train_projector``)."""
+    language = _linear_leaves(model, layout.language_model) if names == [ALL_LINEAR] else names
+    parts = [_under(layout.language_model, language)]
+    if vision_tower:
+        blocks = [n for n, m in model.named_modules() if type(m).__name__ == layout.block]
+        parent = blocks[0].rsplit(".", 1)[0] if blocks else layout.tower
+        tower = [n for n in _linear_leaves(model, parent)]
+        parts.append(_under(parent, tower))
+    return "|".join(parts)
+
+
+def projector_to_save(layout: VisionLayout) -> str:
+    """The projector's name as peft's ``modules_to_save`` matches it (a suffix of the module name)."""
+    return layout.projector.rsplit(".", 1)[-1]
+
+
+def quantization_skip_modules(family: Family) -> list[str] | None:
+    """``llm_int8_skip_modules`` for a QLoRA base: the tower, the projector and the head stay 16-bit (a skip list
+    replaces transformers' default, which is the head alone). ``None`` for a text model."""
+    if family.vision is None:
+        return None
+    return [family.vision.tower, family.vision.projector, "lm_head"]
+
+
+def vision_weights_kept(model: torch.nn.Module, layout: VisionLayout) -> int:
+    """The vision tower's and projector's weights (elements), all unquantized; a 4-bit layer there is an error (a
+    skip list that matched nothing: see the module docstring)."""
+    parts = (f"{layout.tower}.", f"{layout.projector}.")
+    quantized = [n for n, m in model.named_modules() if n.startswith(parts) and type(m).__name__ == "Linear4bit"]
+    if quantized:
+        raise RuntimeError(f"the vision tower was quantized ({quantized[0]}): llm_int8_skip_modules matched nothing")
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(parts))
+
+
+def blank_image_inputs(config) -> dict:
+    """Model inputs for one blank image at the smallest size the tower takes (what a processor would make of it)."""
+    vision = config.vision_config
+    if config.model_type.startswith("qwen2"):
+        merge, patch, temporal = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
+        channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+        grid = torch.tensor([[1, merge, merge]])
+        return {"pixel_values": torch.zeros(merge * merge, channels * temporal * patch * patch), "image_grid_thw": grid}
+    return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
+
+
+def _features(inner: torch.nn.Module, blank: dict) -> torch.Tensor:
+    dtype = next(inner.get_input_embeddings().parameters()).dtype
+    device = inner.get_input_embeddings().weight.device
+    args = {k: (v.to(device, dtype) if k == "pixel_values" else v.to(device)) for k, v in blank.items()}
+    output = inner.get_image_features(**args)
+    features = getattr(output, "pooler_output", output)
+    return torch.cat(list(features)) if isinstance(features, (tuple, list)) else features
+
+
+def vision_runs_on_every_rank(model: torch.nn.Module) -> None:
+    """A forward of ``model`` (a vision-language ``...ForConditionalGeneration``, or a PeftModel of one) without
+    images runs the tower on a blank image and adds zero times its features to the text embeddings (see the module
+    docstring). Generation's decoding steps (a filled cache) run no tower, on any rank, as without this."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base.model
+    if getattr(inner, "_vision_on_every_rank", False):
+        return
+    blank = blank_image_inputs(base.config)
+    keeps_ids = base.config.model_type.startswith("qwen2")  # Qwen reads input_ids for its 3D rotary positions
+    original = inner.forward
+
+    def forward(self, *args, input_ids=None, pixel_values=None, inputs_embeds=None, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 renames it to ``cache``
+        prefill = cache is None or cache.get_seq_length() == 0
+        if pixel_values is None and inputs_embeds is None and input_ids is not None and prefill:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+            inputs_embeds = inputs_embeds + 0.0 * _features(self, blank).sum().to(inputs_embeds.dtype)
+            input_ids = input_ids if keeps_ids else None
+        return original(*args, input_ids=input_ids, pixel_values=pixel_values, inputs_embeds=inputs_embeds, **kwargs)
+
+    inner.forward = types.MethodType(forward, inner)
+    inner._vision_on_every_rank = True
+
+
+def vision_layout(model: torch.nn.Module) -> VisionLayout | None:
+    """The model's `VisionLayout` (``None``: a text model)."""
+    return family_of_model(model).vision

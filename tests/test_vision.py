@@ -1,0 +1,280 @@
+"""Vision-language recipes: 2 ranks equal one process, also at steps where one rank's rows are all text and the
+other's all have images; labels on the answers only; QLoRA keeps the vision tower 16-bit; bad rows in one line.
+
+Each equivalence case trains 5 steps twice on the same rows in the same order (``train_sampling_strategy:
+sequential``): on 2 gloo ranks under FSDP2 (4 rows each a step) and in one process (the 8 rows at once). The rows
+are laid out so that at step 1 rank 0 holds only image rows and rank 1 only text rows, at step 2 the reverse, then
+mixed. The one process always has images in its batch: it never takes the blank-image path (`fsdp_peft.vision`)
+that the text-only rank takes, so equal losses show that path adds nothing. LoRA cases train with plain SGD, so
+each lora_B (zero at the start) is minus the learning rate times the sum of its gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, launch_recipe, read_json, run_command
+from fsdp_peft import paths
+from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_jsonl
+from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import FAMILIES, family_for
+from fsdp_peft.tiny_vision import QUESTION, load_processor
+from fsdp_peft.vision import quantization_skip_modules
+
+STEPS = 5
+COMMON = [
+    "--max_steps", str(STEPS), "--logging_steps", "1", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
+    "--train_sampling_strategy", "sequential", "--generate_samples", "0", "--eval_strategy", "no",
+]  # fmt: skip
+SGD = ["--optim", "sgd", "--learning_rate", "0.1"]
+# QLoRA: 16 rows a rank, as tests/test_families.py says: with 4, bf16 rounding of the other matmul shapes alone puts
+# runs 1.4e-4 apart after 3 steps (measured here too: 1.1e-4); with 16, 3e-5
+QLORA_PER_RANK = 16
+# and a smaller step: each rank's bf16 gradient is rounded before the fp32 reduction, the one process's once over all
+# rows; lr 0.1 makes that rounding 1.3e-4 of the loss by step 3 on Gemma 3 (its inputs are scaled by sqrt(width))
+QLORA_SGD = ["--optim", "sgd", "--learning_rate", "0.05"]
+QLORA_EVAL_TOLERANCE = 5e-4  # the eval loss after those 5 steps (measured 2.0e-4 on Gemma 3)
+RECIPES = {"qwen": "tiny-qwen2.5-vl", "gemma3": "tiny-gemma3-vl"}
+CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
+    "qwen-lora": ("qwen_vl_lora", SGD, 1e-5),
+    "qwen-lora-projector": ("qwen_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
+    "qwen-qlora": ("qwen_vl_qlora", QLORA_SGD, 1e-4),
+    "gemma3-lora": ("gemma3_vl_lora", SGD, 1e-5),
+    "gemma3-lora-projector": ("gemma3_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
+    "gemma3-qlora": ("gemma3_vl_qlora", QLORA_SGD, 1e-4),
+}
+
+
+def _image_row(color: str, image: str) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": [{"type": "text", "text": color}]},
+        ],
+        "images": [image],
+    }
+
+
+def _text_row(color: str, filler: int = 0) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": f"Say {color}." + " " * filler}]},
+            {"role": "assistant", "content": [{"type": "text", "text": color}]},
+        ],
+        "images": [],
+    }
+
+
+def write_mixed_rows(directory: Path, per_rank: int, one_length_for: str | None = None) -> Path:
+    """Rows for 5 steps of 2 x ``per_rank``: at step 1 rank 0's rows all have images and rank 1's are all text, at
+    step 2 the reverse, at steps 3-5 image and text rows alternate. Images from the embedded task (absolute paths);
+    the text rows answer with the same colours, so each rank's labelled tokens differ only from step 3 on.
+
+    ``one_length_for`` (a model): every row as many tokens long as every other for that model's processor (answers
+    of 5 letters, text prompts filled with spaces), so that both sides multiply matrices of the same widths: in
+    bf16 a kernel's blocking follows the padded length, and its rounding with it."""
+    source = paths.tiny_colors_path()
+    pictured = [r for r in read_jsonl(source / "train.jsonl") if r["images"]]
+    images = [(r["messages"][1]["content"][0]["text"], str(source / r["images"][0])) for r in pictured]
+    filler = 0
+    if one_length_for:
+        images = [(color, image) for color, image in images if len(color) == 5]
+        processor = load_processor(paths.resolve_model_path(one_length_for))
+        color, image = images[0]
+        lengths = [check_rows([row], Path(image), processor, 256, True)[0].tokens
+                   for row in (_image_row(color, image), _text_row(color))]  # fmt: skip
+        filler = lengths[0] - lengths[1]
+    image_rows = [_image_row(color, image) for color, image in images]
+    text_rows = [_text_row(color, filler) for color, _ in images]
+    b = per_rank
+    rows = image_rows[:b] + text_rows[:b] + text_rows[b : 2 * b] + image_rows[b : 2 * b]
+    rows += [row for pair in zip(image_rows[2 * b : 5 * b], text_rows[2 * b : 5 * b]) for row in pair]  # steps 3-5
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = image_rows[-4:] + text_rows[-2:]
+    (directory / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mixed_rows(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("mixed")
+    rows = {4: write_mixed_rows(root / "4", 4)}
+    for family, model in RECIPES.items():
+        rows[family] = write_mixed_rows(root / family, QLORA_PER_RANK, model)
+    return rows
+
+
+def _losses(output_dir: Path) -> list[float]:
+    return [e["loss"] for e in read_json(output_dir / "trainer_state.json")["log_history"] if "loss" in e]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def runs(request, tmp_path_factory, mixed_rows):
+    recipe, overrides, tolerance = CASES[request.param]
+    b = QLORA_PER_RANK if "qlora" in recipe else 4
+    data = ["--dataset", str(mixed_rows[request.param.split("-")[0] if "qlora" in recipe else 4])]
+    sharded, single = (tmp_path_factory.mktemp(f"{request.param}-{kind}") for kind in ("sharded", "single"))
+    launch_recipe(recipe, *COMMON, *data, *overrides, "--per_device_train_batch_size", str(b), "--output_dir",
+                  str(sharded))  # fmt: skip
+    one = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *data, *overrides,
+                       "--per_device_train_batch_size", str(2 * b), "--output_dir", str(single)])  # fmt: skip
+    assert one.returncode == 0, one.stderr[-4000:]
+    return {"case": request.param, "sharded": sharded, "single": single, "tolerance": tolerance}
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_also_when_one_ranks_rows_have_no_images(runs):
+    sharded, single = _losses(runs["sharded"]), _losses(runs["single"])
+    assert len(sharded) == len(single) == STEPS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(sharded, single))
+    adapter = load_file(runs["sharded"] / "adapter" / "adapter_model.safetensors")
+    reference = load_file(runs["single"] / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == reference.keys()
+    gradients = max(((adapter[k] - v).norm() / v.norm()).item() for k, v in reference.items() if "lora_B" in k)
+    copies = {k: v for k, v in reference.items() if "lora_" not in k}  # the projector's trained copy
+    if copies:  # each against how far it moved from the base model's tensor
+        base = load_file(Path(paths.resolve_model_path(RECIPES[runs["case"].split("-")[0]])) / "model.safetensors")
+        moved = {k: v - base[k.removeprefix("base_model.model.")] for k, v in copies.items()}
+        gradients = max(gradients, *(((adapter[k] - v).norm() / moved[k].norm()).item() for k, v in copies.items()))
+    print(f"{runs['case']}: largest relative loss difference {worst:.2e}, trained tensors {gradients:.2e}")
+    assert worst <= runs["tolerance"], (sharded, single)
+    if "qlora" not in runs["case"]:
+        assert gradients <= 1e-5
+    if "projector" in runs["case"]:  # the projector trained, as a whole copy, on both sides
+        assert copies and all(moved[k].norm() > 0 for k in copies)
+    else:
+        assert not copies
+    results = [json.loads((d / "results.json").read_text()) for d in (runs["sharded"], runs["single"])]
+    assert results[0]["tokens"] == results[1]["tokens"] > 0
+    # after training: the adapters themselves differ by bf16 rounding under QLoRA (above), and the eval loss with them
+    evaluated = runs["tolerance"] if "qlora" not in runs["case"] else QLORA_EVAL_TOLERANCE
+    assert abs(results[0]["eval_loss"] - results[1]["eval_loss"]) <= evaluated * results[1]["eval_loss"]
+
+
+# Quick: what the collator and the row checks do, against what the rows say.
+
+
+@pytest.mark.parametrize("model", RECIPES.values())
+def test_labels_are_the_answer_and_its_end_token_only(model, mixed_rows):
+    path = paths.resolve_model_path(model)
+    processor = load_processor(path)
+    file = mixed_rows[4] / "train.jsonl"
+    rows = check_rows(read_jsonl(file)[:8], file, processor, 64, True)
+    batch = VisionCollator(processor)(rows)
+    tokenizer = processor.tokenizer
+    for index, row in enumerate(rows):
+        labelled = batch["labels"][index][batch["labels"][index] != IGNORE_INDEX]
+        assert tokenizer.decode(labelled) == row.answer + tokenizer.eos_token
+    image_token = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+    assert int((batch["input_ids"] == image_token).sum()) == 4 * 4  # 4 image rows, 4 tokens each, never labelled
+    assert not bool((batch["labels"] == image_token).any())
+    assert batch["pixel_values"].shape[0] > 0
+
+
+def _bad(tmp_path: Path, row: dict) -> Path:
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    return tmp_path / "train.jsonl"
+
+
+BAD_ROWS = {  # name: (row, vision model, the message's start after "<file> row 1: ")
+    "missing": (_image_row("red", "nowhere.png"), True, "image {dir}/nowhere.png does not exist"),
+    "unreadable": (_image_row("red", "broken.png"), True, "an image cannot be read"),
+    "count": ({**_image_row("red", "a.png"), "images": []}, True, "1 image part(s) in messages but 0 image(s)"),
+    "text-only model": (_image_row("red", "a.png"), False, "has images but the model takes text only"),
+    "remote": (_image_row("red", "https://example.com/a.png"), True, "image https://example.com/a.png is remote"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ROWS))
+def test_a_bad_row_stops_the_run_in_one_line_naming_its_file_and_row(name, tmp_path):
+    row, vision, message = BAD_ROWS[name]
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    source = paths.tiny_colors_path()
+    (tmp_path / "a.png").write_bytes((source / read_jsonl(source / "eval.jsonl")[0]["images"][0]).read_bytes())
+    processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
+    file = _bad(tmp_path, row)
+    with pytest.raises(ConfigError) as raised:
+        check_rows(read_jsonl(file), file, processor, 64, vision)
+    assert str(raised.value).startswith(f"{file} row 1: {message.format(dir=tmp_path)}")
+    assert "\n" not in str(raised.value)
+
+
+def test_image_tokens_past_max_seq_length_stop_the_recipe_before_any_weights_load(tmp_path):
+    result = run_command([sys.executable, str(REPO / "recipes" / "qwen_vl_lora.py"), "--max_seq_length", "12",
+                          "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    assert result.returncode != 0
+    assert "tokens with its image tokens, over max_seq_length 12" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "adapter").exists()
+
+
+def test_the_language_model_alone_is_adapted_and_quantized_by_default():
+    from transformers import AutoModelForImageTextToText
+
+    from fsdp_peft.vision import lora_target_regex
+
+    for model_name in RECIPES.values():
+        path = paths.resolve_model_path(model_name)
+        model = AutoModelForImageTextToText.from_pretrained(path)
+        family = family_for(model.config.model_type)
+        names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+        default = [n for n in names if re.fullmatch(lora_target_regex(model, family.vision, ["all-linear"], False), n)]
+        assert default and all(n.startswith(family.vision.language_model + ".") for n in default)
+        assert len(default) == 4 * 7  # every linear layer of the 4 decoder layers
+        tower = lora_target_regex(model, family.vision, ["q_proj"], True)
+        adapted = [n for n in names if re.fullmatch(tower, n)]
+        assert any(n.startswith(family.vision.tower + ".") for n in adapted)
+        assert not any(n.startswith(family.vision.projector + ".") for n in adapted)
+        skip = quantization_skip_modules(family)
+        assert skip == [family.vision.tower, family.vision.projector, "lm_head"]
+
+
+def test_a_skip_list_that_matches_nothing_is_caught_and_ours_keeps_the_tower_16_bit():
+    """transformers matches ``llm_int8_skip_modules`` from the start of the full module name or as a suffix: the
+    bare ``visual`` that many guides give matches nothing and the tower is quantized."""
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    from fsdp_peft.vision import vision_weights_kept
+
+    path = paths.resolve_model_path("tiny-qwen2.5-vl")
+    layout = family_for("qwen2_5_vl").vision
+
+    def loaded(skip: list[str]):
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16, llm_int8_skip_modules=skip
+        )
+        return AutoModelForImageTextToText.from_pretrained(path, quantization_config=quantization, dtype=torch.bfloat16)
+
+    with pytest.raises(RuntimeError, match="the vision tower was quantized"):
+        vision_weights_kept(loaded(["visual", "lm_head"]), layout)
+    model = loaded(quantization_skip_modules(family_for("qwen2_5_vl")))
+    tower = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("model.visual.",)))
+    assert vision_weights_kept(model, layout) == tower > 0
+    language = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
+    assert len(language) == 4 * 7 and all(n.startswith("model.language_model.") for n in language)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.vision is not None], ids=lambda f: f.name)
+def test_each_vision_family_has_a_tiny_model_that_its_entry_fits(family):
+    """tests/test_families.py's check for the text families: the entry's names are the model's."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from fsdp_peft.fsdp_policies import decoder_layer_classes
+
+    path = paths.resolve_model_path(family.tiny_model)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [family.tiny_architecture] and family_for(config.model_type) is family
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    units = sorted(c.__name__ for c in decoder_layer_classes(model))
+    assert units == sorted([family.decoder_layer, family.vision.block])
+    assert set(units) <= set(model._no_split_modules)  # the entry agrees with transformers
+    layout = family.vision
+    for part in (layout.tower, layout.projector, layout.language_model):
+        model.get_submodule(part)  # raises when the entry names a module the model does not have
