@@ -240,6 +240,14 @@ def _add_model_commands(commands) -> None:
     prompts = generate.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt(s) to complete")
     prompts.add_argument("--prompts-file", type=Path, metavar="F", help="one prompt per line, or JSONL with 'prompt'")
+    generate.add_argument(
+        "--image",
+        type=Path,
+        nargs="+",
+        action="extend",
+        metavar="FILE",
+        help="vision-language model: the image for every prompt, or one per prompt (docs/vision.md)",
+    )
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     generate.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     generate.add_argument("--temperature", type=float, metavar="T", help="sample with this temperature")

@@ -49,6 +49,7 @@ from fsdp_peft.adapter_files import (
 from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.dtypes import short_dtype_name
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.families import FAMILIES
 from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch, WeightUpdate
 from fsdp_peft.moe import EXPERTS_MODULE
@@ -215,11 +216,19 @@ def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
     return bnb_functional.dequantize_4bit(packed, state).to(torch.float32)
 
 
+VISION_KEPT_16_BIT = tuple(
+    f"{part}." for family in FAMILIES if family.vision for part in (family.vision.tower, family.vision.projector)
+)
+
+
 def is_quantized_in_training(key: str, tensor: torch.Tensor) -> bool:
-    """bitsandbytes quantizes the linear layers inside decoder layers (2-D weights under ``layers.``); QLoRA on a
-    mixture of experts, its 3-D expert weights (`fsdp_peft.moe_quantization`)."""
+    """bitsandbytes quantizes the linear layers inside decoder layers (2-D weights under ``layers.``), not a
+    vision-language model's tower; QLoRA on a mixture of experts, its 3-D expert weights
+    (`fsdp_peft.moe_quantization`)."""
     if tensor.dim() == 3:
         return f".{EXPERTS_MODULE}." in key
+    if key.startswith(VISION_KEPT_16_BIT):  # a vision-language model's tower and projector (`fsdp_peft.vision`)
+        return False
     return tensor.dim() == 2 and ".layers." in key and key.endswith(".weight")
 
 
@@ -428,12 +437,15 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
 def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_variant: str, dtype: str) -> str:
     """Reload the export and compare its logits with base + adapter (fp32) on a few prompts."""
     from peft import LoraConfig, set_peft_model_state_dict  # lazy: only --verify needs peft
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as above (model code)
+    from transformers import AutoConfig, AutoTokenizer  # lazy: as above (model code)
+
+    from fsdp_peft.vision import auto_model_class  # lazy: as above
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     prompts = ["The capital of France is", "reverse: abcde", "def fibonacci(n):"]
-    merged = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    auto_class = auto_model_class(AutoConfig.from_pretrained(directory))
+    merged = auto_class.from_pretrained(directory, dtype=torch.float32).eval()
+    reference = auto_class.from_pretrained(base_dir, dtype=torch.float32)
     if (new_tokens := read_new_tokens(adapter.origin)) is not None:  # their trained rows replace the grown ones
         reference.resize_token_embeddings(new_tokens.rows, mean_resizing=False)
     if base_variant == "nf4":

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 from peft import get_peft_config, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
+from transformers import AutoConfig, AutoTokenizer, TextStreamer, set_seed
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.adapter_files import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.templates import render_prompt
+from fsdp_peft.data.vision_rows import open_image, processor_inputs
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_policies import shard_for_generation
 from fsdp_peft.generation import GenerationSettings, generate_completions
@@ -35,7 +36,9 @@ from fsdp_peft.model_record import record_of
 from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model, local_device
 from fsdp_peft.moe_quantization import dequantize_in_forward
 from fsdp_peft.new_tokens import grow_vocabulary, tokenizer_directory
+from fsdp_peft.tiny_vision import load_processor
 from fsdp_peft.variants import init_reads_base_weights
+from fsdp_peft.vision import auto_model_class, is_vision_config, vision_runs_on_every_rank
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
 
@@ -79,7 +82,8 @@ def load_for_generation(
                 f"--base-only: {source} is a merged model, with no adapter to leave out; give its base model "
                 "directory as SOURCE instead"
             )
-        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", device_map={"": device})
+        auto_class = auto_model_class(AutoConfig.from_pretrained(source))
+        model = auto_class.from_pretrained(source, dtype="auto", device_map={"": device})
         recipe = json.loads((source / RECIPE_FILE).read_text()) if (source / RECIPE_FILE).is_file() else {}
         chat = recipe.get("use_chat_template")
         return LoadedModel(model, _tokenizer(AutoTokenizer.from_pretrained(source)), chat, f"merged model {source}")
@@ -158,21 +162,56 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     return prompts
 
 
+def read_images(paths: list[Path], prompts: int) -> list[Path]:
+    """``--image`` files checked before any weights load: one for every prompt, or one per prompt."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"--image: file not found: {path}")
+        try:
+            open_image(str(path))
+        except OSError as error:
+            raise ConfigError(f"--image: {path} cannot be read as an image ({error})") from None
+    if len(paths) not in (0, 1, prompts):
+        raise ConfigError(f"--image: {len(paths)} images for {prompts} prompts; give one, or one per prompt")
+    return [str(p) for p in paths] * (prompts if len(paths) == 1 else 1)
+
+
+def image_prompt(processor, prompt: str) -> str:
+    """``prompt`` as the user's turn with an image before it, in the processor's chat template."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def run_generate(args) -> None:
     """The ``generate`` command: load, (shard), generate, print on rank 0."""
     if args.greedy and (args.temperature is not None or args.top_p is not None):
         raise ConfigError("--greedy and --temperature/--top-p exclude each other: drop --greedy to sample")
     prompts = read_prompts(args.prompt, args.prompts_file)
+    images = read_images(getattr(args, "image", None) or [], len(prompts))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = local_device()
     set_seed(args.seed)
     loaded = load_for_generation(args.source, args.base, device, args.allow_base_mismatch)
+    vision = is_vision_config(loaded.model.config)
+    if images and not vision:
+        raise ConfigError(f"--image: {args.source} is a text-only model; give --image to a vision-language model")
+    if vision:  # a rank whose prompts have no image still runs the tower (fsdp_peft.vision)
+        vision_runs_on_every_rank(loaded.model)
     if world > 1:
         shard_for_generation(loaded.model, device)
     where = f", sharded over {world} ranks" if world > 1 else ""
     logger.info(f"generating from {loaded.description}{where}")
     chat = args.chat if args.chat is not None else bool(loaded.chat)
-    texts = [render_prompt(loaded.tokenizer, prompt, chat) for prompt in prompts]
+    encode = None
+    if images:  # the processor renders each prompt with its image part and makes the image's inputs
+        processor = load_processor(loaded.base_dir or args.source)
+        texts = [(image_prompt(processor, prompt), image) for prompt, image in zip(prompts, images)]
+
+        def encode(batch):
+            processor.tokenizer.padding_side = "left"
+            return processor_inputs(processor, [t for t, _ in batch], [[open_image(i)] for _, i in batch])
+    else:
+        texts = [render_prompt(loaded.tokenizer, prompt, chat) for prompt in prompts]
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
@@ -183,7 +222,9 @@ def run_generate(args) -> None:
     )
     stream = len(prompts) == 1 and not args.json
     streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    completions = generate_completions(loaded.model, loaded.tokenizer, texts, settings, device, streamer=streamer)
+    completions = generate_completions(
+        loaded.model, loaded.tokenizer, texts, settings, device, streamer=streamer, encode=encode
+    )
     if completions is not None:
         for prompt, completion in zip(prompts, completions):
             if args.json:

@@ -156,6 +156,13 @@ def expert_updates(
     return updates
 
 
+def _inside(module: str, saved: tuple[str, ...]) -> bool:
+    """Whether module path ``module`` is one of ``saved`` (peft's ``modules_to_save`` names, matched as a suffix)
+    or inside one (a trained copy's submodules: Qwen2.5-VL's projector ``merger.mlp.0``)."""
+    parts = module.split(".")
+    return any(".".join(parts[: i + 1]).endswith(name) for name in saved for i in range(len(parts)))
+
+
 def adapter_updates(
     tensors: dict[str, torch.Tensor],
     config: dict,
@@ -183,7 +190,7 @@ def adapter_updates(
         elif match := re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key):
             update = updates.setdefault(f"{match[1]}.weight", WeightUpdate())
             update.token_rows, update.token_indices = tensor, _token_indices(config, match[1])
-        elif (match := re.fullmatch(r"(.+?)(?:\.modules_to_save)?\.(\w+)", key)) and match[1].endswith(saved_modules):
+        elif (match := re.fullmatch(r"(.+?)(?:\.modules_to_save)?\.(\w+)", key)) and _inside(match[1], saved_modules):
             updates.setdefault(f"{match[1]}.{match[2]}", WeightUpdate()).replacement = tensor
         else:
             raise ConfigError(f"{origin}: adapter tensor '{key}' is none of the LoRA variants export merges")

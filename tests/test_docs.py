@@ -57,16 +57,33 @@ SFT_START = (
     "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_lora.py --max_steps 130"
     " --output_dir outputs/llama_lora_short --generate_samples 0"
 )
-PRODUCERS = {"llama_qlora_tiny": QUICK_START, "llama_lora_tiny": GENERATION_RUN, "llama_lora_short": SFT_START}
+VISION_START = "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_vl_lora.py"
+PRODUCERS = {
+    "llama_qlora_tiny": QUICK_START,
+    "llama_lora_tiny": GENERATION_RUN,
+    "llama_lora_short": SFT_START,
+    "qwen_vl_lora_tiny": VISION_START,
+}
 # A 400-step run's last checkpoint is checkpoint-400; the same launch with QUICK ends at checkpoint-2.
 PLACEHOLDERS = {"checkpoint-400": "checkpoint-2"}
 
 # What `fsdp-peft cp qwen_qlora/qwen2_5_7b.yaml my.yaml` writes: the README's copy-edit-launch loop.
 MY_YAML = (REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml").read_text()
+
+
+def _png_bytes(color: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 PLACEHOLDER_FILES = {
     "my.yaml": MY_YAML,
     "prompts.txt": "reverse: hello\nreverse: abcde\n",
     "prompts.jsonl": '{"prompt": "reverse: hello"}\n{"prompt": "reverse: abcde"}\n',
+    "my_image.png": _png_bytes((220, 30, 30)),  # a red 32x32 image (docs/vision.md)
 }
 
 # The config.json of each hub model a documented command reads: the published ones the package keeps for the
@@ -429,7 +446,8 @@ class Workspaces:
             command = command.replace(placeholder, value)
         for name, text in PLACEHOLDER_FILES.items():
             if re.search(rf"(^|[\s/]){re.escape(name)}(\s|$)", command) and not command.startswith("fsdp-peft cp "):
-                (workspace / name).write_text(text)
+                path = workspace / name
+                path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
         for name, text in run.files:
             (workspace / name).write_text(text)
         # what the command reads: any outputs/<run> it names, or for a launch, the adapter it starts from

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
 from fsdp_peft import paths
 from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_jsonl
 from fsdp_peft.errors import ConfigError
@@ -31,7 +31,8 @@ from fsdp_peft.vision import quantization_skip_modules
 STEPS = 5
 COMMON = [
     "--max_steps", str(STEPS), "--logging_steps", "1", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
-    "--train_sampling_strategy", "sequential", "--generate_samples", "0", "--eval_strategy", "no",
+    "--train_sampling_strategy", "sequential", "--eval_strategy", "no",
+    "--generate_samples", "6", "--generate_batch_size", "1",  # one held-out row a call: images on one rank only
 ]  # fmt: skip
 SGD = ["--optim", "sgd", "--learning_rate", "0.1"]
 # QLoRA: 16 rows a rank, as tests/test_families.py says: with 4, bf16 rounding of the other matmul shapes alone puts
@@ -98,7 +99,7 @@ def write_mixed_rows(directory: Path, per_rank: int, one_length_for: str | None 
     rows += [row for pair in zip(image_rows[2 * b : 5 * b], text_rows[2 * b : 5 * b]) for row in pair]  # steps 3-5
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    held_out = image_rows[-4:] + text_rows[-2:]
+    held_out = [row for pair in zip(image_rows[-3:], text_rows[-3:]) for row in pair]  # rank 0 images, rank 1 text
     (directory / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
     return directory
 
@@ -116,18 +117,43 @@ def _losses(output_dir: Path) -> list[float]:
     return [e["loss"] for e in read_json(output_dir / "trainer_state.json")["log_history"] if "loss" in e]
 
 
+RUNS: dict[str, dict] = {}  # case: its two runs, shared by the tests that read them
+
+
+def run_case(case: str, tmp_path_factory, mixed_rows) -> dict:
+    """Case ``case`` trained on 2 ranks and in one process (once per module)."""
+    if case not in RUNS:
+        RUNS[case] = _train_both(case, tmp_path_factory, mixed_rows)
+    return RUNS[case]
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def runs(request, tmp_path_factory, mixed_rows):
-    recipe, overrides, tolerance = CASES[request.param]
+    return run_case(request.param, tmp_path_factory, mixed_rows)
+
+
+@pytest.fixture(scope="module")
+def runs_of(tmp_path_factory, mixed_rows):
+    """``runs_of(case)``: that case's runs; ``runs_of.rows``: the rows of the LoRA cases."""
+
+    def get(case: str) -> dict:
+        return run_case(case, tmp_path_factory, mixed_rows)
+
+    get.rows = mixed_rows[4]
+    return get
+
+
+def _train_both(case: str, tmp_path_factory, mixed_rows) -> dict:
+    recipe, overrides, tolerance = CASES[case]
     b = QLORA_PER_RANK if "qlora" in recipe else 4
-    data = ["--dataset", str(mixed_rows[request.param.split("-")[0] if "qlora" in recipe else 4])]
-    sharded, single = (tmp_path_factory.mktemp(f"{request.param}-{kind}") for kind in ("sharded", "single"))
+    data = ["--dataset", str(mixed_rows[case.split("-")[0] if "qlora" in recipe else 4])]
+    sharded, single = (tmp_path_factory.mktemp(f"{case}-{kind}") for kind in ("sharded", "single"))
     launch_recipe(recipe, *COMMON, *data, *overrides, "--per_device_train_batch_size", str(b), "--output_dir",
                   str(sharded))  # fmt: skip
     one = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *data, *overrides,
                        "--per_device_train_batch_size", str(2 * b), "--output_dir", str(single)])  # fmt: skip
     assert one.returncode == 0, one.stderr[-4000:]
-    return {"case": request.param, "sharded": sharded, "single": single, "tolerance": tolerance}
+    return {"case": case, "sharded": sharded, "single": single, "tolerance": tolerance}
 
 
 @pytest.mark.slow
@@ -153,6 +179,10 @@ def test_two_ranks_equal_one_process_also_when_one_ranks_rows_have_no_images(run
     else:
         assert not copies
     results = [json.loads((d / "results.json").read_text()) for d in (runs["sharded"], runs["single"])]
+    if "qlora" not in runs["case"]:  # generation, one rank's prompts with images and the other's without: the same
+        samples = [read_jsonl(d / "samples.jsonl") for d in (runs["sharded"], runs["single"])]
+        assert [s["generated"] for s in samples[0]] == [s["generated"] for s in samples[1]]
+        assert len(samples[0]) == 6
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     # after training: the adapters themselves differ by bf16 rounding under QLoRA (above), and the eval loss with them
     evaluated = runs["tolerance"] if "qlora" not in runs["case"] else QLORA_EVAL_TOLERANCE
@@ -278,3 +308,92 @@ def test_each_vision_family_has_a_tiny_model_that_its_entry_fits(family):
     layout = family.vision
     for part in (layout.tower, layout.projector, layout.language_model):
         model.get_submodule(part)  # raises when the entry names a module the model does not have
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_repeats_the_uninterrupted_losses(tmp_path):
+    """6 steps through, against 4 with a checkpoint at step 3 (the one at 4 removed: the run "died") resumed to 6;
+    with the projector trained too (a full copy in the checkpoint)."""
+    import shutil
+
+    common = [*SGD, "--train_projector", "true", "--logging_steps", "1", "--generate_samples", "0",
+              "--save_strategy", "steps", "--save_steps", "3", "--lr_scheduler_type", "constant"]  # fmt: skip
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    launch_recipe("qwen_vl_lora", *common, "--max_steps", "6", "--output_dir", str(full))
+    launch_recipe("qwen_vl_lora", *common, "--max_steps", "4", "--output_dir", str(interrupted))
+    shutil.rmtree(interrupted / "checkpoint-4")
+    launch_recipe("qwen_vl_lora", *common, "--max_steps", "6", "--output_dir", str(interrupted),
+                  "--resume_from_checkpoint", str(interrupted / "checkpoint-3"))  # fmt: skip
+    want, got = logged_losses(full), logged_losses(interrupted)
+    assert sorted(got) == list(range(1, 7))
+    assert [got[step] for step in range(4, 7)] == [want[step] for step in range(4, 7)]  # 0.0 apart
+    reference = load_file(full / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(interrupted / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(adapter[k], v) for k, v in reference.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen-lora-projector", "gemma3-lora"])
+def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower_bit_for_bit(case, runs_of, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    trained = runs_of(case)["sharded"]
+    merged = tmp_path / "merged"
+    result = run_command(["fsdp-peft", "export", str(trained), "--out", str(merged), "--dtype", "fp32", "--verify"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    base_dir = Path(paths.resolve_model_path(RECIPES[case.split("-")[0]]))
+    exported = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).eval()
+    base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, trained / "adapter").eval()
+    processor = load_processor(merged)  # the export carries the processor
+    file = runs_of.rows / "eval.jsonl"
+    rows = [r for r in check_rows(read_jsonl(file), file, processor, 64, True) if r.images]
+    batch = VisionCollator(processor)(rows)
+    with torch.no_grad():
+        got, want = exported(**batch).logits, reference(**batch).logits
+    worst = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"{case}: export logits on {len(rows)} image rows, largest difference / largest logit {worst:.2e}")
+    assert worst <= 1e-5
+    layout = family_for(exported.config.model_type).vision
+    kept = {k: v for k, v in load_file(base_dir / "model.safetensors").items() if k.startswith(layout.tower + ".")}
+    written = load_file(merged / "model.safetensors")
+    projector = layout.projector + "."
+    for key, tensor in kept.items():
+        if "projector" in case and key.startswith(projector):
+            continue  # trained
+        assert torch.equal(written[key], tensor.float()), key  # fp32 export of fp32 base: bit for bit
+
+
+DEFAULTS = ["qwen_vl_lora", "qwen_vl_qlora", "gemma3_vl_lora", "gemma3_vl_qlora"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", DEFAULTS)
+def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_image(recipe, tmp_path):
+    out = tmp_path / "out"
+    launch_recipe(recipe, "--output_dir", str(out))
+    results = read_json(out / "results.json")
+    print(f"{recipe}: exact match {results['exact_match_after']:.3f} on {results['generated_samples']} held-out images")
+    assert results["exact_match_after"] >= 0.9 and results["generated_samples"] == 48
+    source = paths.tiny_colors_path()
+    row = read_jsonl(source / "eval.jsonl")[1]
+    answer = row["messages"][-1]["content"][0]["text"]
+    command = ["accelerate", "launch", "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
+               "-m", "fsdp_peft.cli", "generate", str(out), "--image", str(source / row["images"][0]),
+               "--prompt", QUESTION, "--max-new-tokens", "8"]  # fmt: skip
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == answer
+
+
+def test_generate_refuses_an_image_it_cannot_use_in_one_line(tmp_path):
+    def generate(image: Path):
+        return run_command(["fsdp-peft", "generate", str(tmp_path), "--image", str(image), "--prompt", "x"])
+
+    missing = generate(tmp_path / "no.png")
+    assert missing.returncode == 2 and missing.stderr.strip() == f"error: --image: file not found: {tmp_path}/no.png"
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    unreadable = generate(tmp_path / "bad.png")
+    assert unreadable.returncode == 2 and len(unreadable.stderr.strip().splitlines()) == 1
+    assert unreadable.stderr.startswith(f"error: --image: {tmp_path}/bad.png cannot be read as an image")
