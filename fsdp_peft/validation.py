@@ -194,6 +194,54 @@ def _model_config_is_a_causal_lm(context: RuleContext) -> str | None:
     return None
 
 
+VISION_ONLY_KEYS = ("lora_vision_tower", "train_projector")
+# keys whose text-data meaning the vision procedure (fsdp_peft.vision_sft) does not have: (key, its default)
+TEXT_ONLY_KEYS = (
+    ("packing", False),
+    ("eval_split", 0.0),
+    ("data_format", "auto"),
+    ("dataset_columns", None),
+    ("completion_only_loss", True),
+    ("use_chat_template", True),
+    ("skip_invalid_rows", False),
+    ("new_special_tokens", []),
+    ("sequence_parallel_size", 1),
+    ("eval_tasks", []),
+)
+
+
+def _vision_keys_fit_the_model(context: RuleContext) -> str | None:
+    """A vision-language model trains through its SFT procedure with the keys it has (docs/vision.md); the vision
+    keys need one."""
+    recipe = context.recipe
+    try:
+        config = local_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
+    except (OSError, ValueError):
+        return None  # not here yet, or refused by `_model_config_is_a_causal_lm`
+    name = recipe.model_name_or_path
+    if not is_vision_config(config):
+        asked = next((key for key in VISION_ONLY_KEYS if getattr(recipe, key)), None)
+        return asked and f"{asked}: {name} is not a vision-language model (it has no vision tower); remove {asked}"
+    if context.procedure != SFT:
+        return (
+            f"model_name_or_path: {name} is a vision-language model; its preference and GRPO recipes are not built "
+            "yet: fine-tune it with recipes/qwen_vl_lora.py or recipes/gemma3_vl_lora.py (docs/vision.md)"
+        )
+    if context.fsdp is not None and context.fsdp.version == 1:
+        return (
+            f"fsdp: {name} is a vision-language model; under FSDP1 its embeddings are a unit of their own, and "
+            "generate (which runs the vision tower before them) would gather units in another order on a rank "
+            "without images: use FSDP2 (configs/accelerate/cpu_fsdp2.yaml, fsdp2.yaml)"
+        )
+    for key, default in TEXT_ONLY_KEYS:
+        if getattr(recipe, key) != default and not (default is None and not getattr(recipe, key)):
+            return (
+                f"{key}: {getattr(recipe, key)} is not available for the vision-language model {name}; remove it "
+                f"(default {default!r}; docs/vision.md says what its recipes read)"
+            )
+    return None
+
+
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -663,6 +711,7 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _eval_tasks_are_harness_tasks: EVERY,
     sequence_split_runs_here: EVERY,
     sequence_split_fits_the_model: EVERY,
+    _vision_keys_fit_the_model: EVERY,
 }
 
 

@@ -73,6 +73,12 @@ CASES = {
         ["--lora_target_modules", "all-linear"],
         "lora_target_modules: all-linear on the mixture of experts tiny-qwen3-moe: peft would also put LoRA on the",
     ),
+    "_vision_keys_fit_the_model": (
+        REPO / "configs" / "qwen_vl_lora" / "tiny.yaml",
+        {},
+        ["--packing", "true"],
+        "packing: True is not available for the vision-language model tiny-qwen2.5-vl; remove it",
+    ),
     "moe_keys_need_a_mixture_of_experts": (
         LORA_TINY,
         {},

@@ -397,3 +397,10 @@ def test_generate_refuses_an_image_it_cannot_use_in_one_line(tmp_path):
     unreadable = generate(tmp_path / "bad.png")
     assert unreadable.returncode == 2 and len(unreadable.stderr.strip().splitlines()) == 1
     assert unreadable.stderr.startswith(f"error: --image: {tmp_path}/bad.png cannot be read as an image")
+
+
+def test_fsdp1_is_refused_for_a_vision_language_model_in_one_line():
+    result = run_command(["fsdp-peft", "validate", str(REPO / "configs" / "qwen_vl_lora" / "tiny.yaml"),
+                          "--accelerate-config", str(REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml")])  # fmt: skip
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "fsdp: tiny-qwen2.5-vl is a vision-language model; under FSDP1" in result.stderr
