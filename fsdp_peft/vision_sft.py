@@ -31,20 +31,27 @@ from fsdp_peft.tiny_vision import TINY_COLORS_NAME, load_processor
 from fsdp_peft.trainer import PeftFsdpTrainer
 from fsdp_peft.vision import is_vision_config
 
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
 
 def _split_files(recipe) -> tuple[Path, Path | None]:
     """The train and eval files: ``train_file``/``eval_file``, else ``dataset``'s ``train.jsonl``/``eval.jsonl``."""
     if recipe.train_file:
         return Path(recipe.train_file).expanduser(), recipe.eval_file and Path(recipe.eval_file).expanduser()
     directory = tiny_colors_path() if recipe.dataset == TINY_COLORS_NAME else Path(recipe.dataset).expanduser()
-    train = next((directory / f"train{s}" for s in (".jsonl", ".json") if (directory / f"train{s}").is_file()), None)
+    if directory.is_file():
+        return directory, None
+    train = next((f for f in _named(directory, ("train",))), None)
     if train is None:
         raise ConfigError(
-            f"dataset: {recipe.dataset} has no train.jsonl; vision-language recipes read local chat rows with images "
-            "(docs/vision.md)"
+            f"dataset: {recipe.dataset} has no train.jsonl (or .json, .parquet); vision-language recipes read local "
+            "chat rows with images (docs/vision.md)"
         )
-    held_out = next((directory / f"{n}{s}" for n in ("eval", "validation") for s in (".jsonl", ".json")), None)
-    return train, held_out if held_out is not None and held_out.is_file() else None
+    return train, next(_named(directory, ("eval", "validation")), None)
+
+
+def _named(directory: Path, names: tuple[str, ...]):
+    return (directory / f"{n}{s}" for n in names for s in SUFFIXES if (directory / f"{n}{s}").is_file())
 
 
 def load_data(recipe, tokenizer, training=None) -> tuple:

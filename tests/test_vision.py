@@ -404,3 +404,33 @@ def test_fsdp1_is_refused_for_a_vision_language_model_in_one_line():
                           "--accelerate-config", str(REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml")])  # fmt: skip
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "fsdp: tiny-qwen2.5-vl is a vision-language model; under FSDP1" in result.stderr
+
+
+def test_rows_with_a_datasets_image_column_in_parquet_train_as_their_files_would(tmp_path):
+    """What ``datasets`` writes for an ``Image`` column (the hub's VLM datasets): ``{"bytes", "path"}`` values."""
+    import datasets
+
+    from fsdp_peft.vision_sft import _split_files
+
+    source = paths.tiny_colors_path()
+    rows = [r for r in read_jsonl(source / "train.jsonl") if r["images"]][:4]
+    features = datasets.Features(
+        {
+            "messages": [{"role": datasets.Value("string"), "content": [{"type": datasets.Value("string"),
+                                                                          "text": datasets.Value("string")}]}],
+            "images": datasets.Sequence(datasets.Image()),
+        }
+    )  # fmt: skip
+    images = [[{"bytes": (source / r["images"][0]).read_bytes(), "path": None}] for r in rows[:2]]  # held in the file
+    images += [[str(source / r["images"][0])] for r in rows[2:]]  # a path
+    table = {"messages": [r["messages"] for r in rows], "images": images}
+    datasets.Dataset.from_dict(table, features=features).to_parquet(tmp_path / "train.parquet")
+    recipe = type("Recipe", (), {"train_file": None, "dataset": str(tmp_path)})()
+    train, held_out = _split_files(recipe)
+    assert (train, held_out) == (tmp_path / "train.parquet", None)
+    processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
+    from_parquet = check_rows(read_jsonl(train), train, processor, 64, True)
+    from_files = check_rows(rows, source / "train.jsonl", processor, 64, True)
+    assert [type(r.images[0]) for r in from_parquet] == [bytes, bytes, str, str]
+    a, b = VisionCollator(processor)(from_parquet), VisionCollator(processor)(from_files)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

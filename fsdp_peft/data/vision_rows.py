@@ -43,7 +43,12 @@ class VisionRow:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a ``.jsonl`` (one JSON object a line) or ``.json`` (a list of them) file."""
+    """The rows of a ``.jsonl`` (one JSON object a line), ``.json`` (a list of them) or ``.parquet`` file (as
+    ``datasets`` writes one: an ``Image`` column holds ``{"bytes": ..., "path": ...}`` values)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet  # lazy: only parquet data needs it
+
+        return pyarrow.parquet.read_table(path).to_pylist()
     text = path.read_text()
     if path.suffix == ".json":
         return json.loads(text)
