@@ -255,11 +255,17 @@ def evaluate_exact_match(
     completions = _complete(model, tokenizer, examples, recipe, device)
     if completions is None:
         return None
-    hits = [c.strip() == e.completion.strip() for c, e in zip(completions, examples)]
+    records = [_sample_row(example, completion) for example, completion in zip(examples, completions)]
+    return exact_match_of(records, samples_path)
+
+
+def exact_match_of(records: list[dict], samples_path: Path | None = None) -> float:
+    """The share of ``records`` (``expected`` and ``generated`` among their keys) whose completion is the expected
+    one, stripped; with ``samples_path``, each record with its ``exact`` written there as a JSON line."""
+    hits = [record["generated"].strip() == record["expected"].strip() for record in records]
     if samples_path is not None:
         with open(samples_path, "w") as handle:
-            for example, completion, hit in zip(examples, completions, hits):
-                handle.write(json.dumps(_sample_row(example, completion) | {"exact": hit}) + "\n")
+            handle.writelines(json.dumps(record | {"exact": hit}) + "\n" for record, hit in zip(records, hits))
     return sum(hits) / len(hits)
 
 

@@ -8,7 +8,6 @@ the eval loss. A batch without images on some ranks trains as one with images ev
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fsdp_peft.config import SFT
@@ -22,7 +21,7 @@ from fsdp_peft.data.vision_rows import (
     read_jsonl,
 )
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.generation import GenerationSettings, generate_completions
+from fsdp_peft.generation import GenerationSettings, exact_match_of, generate_completions
 from fsdp_peft.paths import local_model_config, resolve_model_path, tiny_colors_path
 from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.run_file_names import SAMPLES_FILE
@@ -102,13 +101,8 @@ def exact_match(model, setup: Setup, device, samples_path: Path | None = None) -
     answers = _answers(model, setup, device)
     if answers is None:
         return None
-    hits = [a.strip() == row.answer.strip() for a, row in zip(answers, rows)]
-    if samples_path is not None:
-        with open(samples_path, "w") as handle:
-            for row, answer, hit in zip(rows, answers, hits):
-                record = {"row": row.where, "expected": row.answer, "generated": answer, "exact": hit}
-                handle.write(json.dumps(record) + "\n")
-    return sum(hits) / len(hits)
+    records = [{"row": row.where, "expected": row.answer, "generated": a} for row, a in zip(rows, answers)]
+    return exact_match_of(records, samples_path)
 
 
 def _before(trainer, setup: Setup, model) -> float | None:
