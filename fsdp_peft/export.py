@@ -49,7 +49,7 @@ from fsdp_peft.adapter_files import (
 from fsdp_peft.atomic_publish import publish_directory
 from fsdp_peft.dtypes import short_dtype_name
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.families import FAMILIES
+from fsdp_peft.families import FAMILIES, family_for
 from fsdp_peft.log import tell
 from fsdp_peft.merge import Scratch, WeightUpdate
 from fsdp_peft.moe import EXPERTS_MODULE
@@ -83,6 +83,21 @@ MODEL_SIDE_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
+
+
+def check_vision_base_layout(files: dict[str, Path], base: Path) -> None:
+    """A vision-language base must store its tensors under the model's own names (``model.language_model.*``, as
+    transformers 5 saves them); the hub's older layout (``model.layers.*``, ``visual.*``), which transformers renames
+    while loading, is not mapped here yet. Raised before anything is written."""
+    config = base / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    vision = family_for(model_type).vision
+    if vision is not None and not any(key.startswith(f"{vision.language_model}.") for key in files):
+        raise ConfigError(
+            f"export: base {base} stores its tensors in the hub's older layout (no '{vision.language_model}.*' "
+            "names); merging a vision-language model from it is not built yet: load base + adapter with "
+            "transformers and peft and merge_and_unload() instead (docs/vision.md)"
+        )
 
 
 def check_adapter_fits_base(updates: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
@@ -354,6 +369,7 @@ def export_merged(
     check_base_is_unquantized(base_dir)
     files = base_tensor_files(base_dir)
     updates = adapter.updates_by_base_key(base_shapes(files))
+    check_vision_base_layout(files, base_dir)
     check_adapter_fits_base(updates, files, adapter, base_dir)
     out_dtype = OUTPUT_DTYPES[dtype]
 

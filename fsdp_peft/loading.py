@@ -29,7 +29,7 @@ from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 from transformers.quantizers import AutoHfQuantizer
 
 from fsdp_peft._compat import fsdp2_prepare_model_replaced
@@ -43,7 +43,7 @@ from fsdp_peft.moe_quantization import SUFFIX as EXPERT_SUFFIX
 from fsdp_peft.moe_quantization import quantize_expert_rows, quantized_expert_parameter
 from fsdp_peft.new_tokens import grown_checkpoint_tensor
 from fsdp_peft.safetensors_io import base_tensor_files, read_tensors
-from fsdp_peft.vision import is_vision_config
+from fsdp_peft.vision import auto_model_class
 
 CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper, in module names
 
@@ -66,8 +66,7 @@ def model_skeleton(path: str | Path, dtype: torch.dtype, quantization=None, trus
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        auto_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
-        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # from_pretrained ties once loaded; FSDP must see the tied weight as one
     if quantization is not None:
         _quantize_skeleton(model, quantization, dtype)

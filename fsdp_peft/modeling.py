@@ -14,8 +14,6 @@ import torch
 from peft import LoraConfig, set_peft_model_state_dict
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     AutoTokenizer,
     BitsAndBytesConfig,
     PreTrainedModel,
@@ -56,7 +54,7 @@ from fsdp_peft.variants import (
     trained_copies_compute_in_the_model_dtype,
 )
 from fsdp_peft.vision import (
-    is_vision_config,
+    auto_model_class,
     lora_target_regex,
     projector_to_save,
     quantization_skip_modules,
@@ -171,8 +169,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
         )
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
-        auto_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
-        model = auto_class.from_pretrained(
+        model = auto_model_class(config).from_pretrained(
             path,
             dtype=getattr(torch, recipe.torch_dtype),
             quantization_config=quantization_config(recipe),

@@ -69,6 +69,14 @@ def router_modules(model: torch.nn.Module, router: str) -> list[str]:
     return [router] if found else []
 
 
+def router_aux_loss_coefficient(config, coefficient: float | None) -> float:
+    """The load-balancing loss weight a run trains with: ``router_aux_loss_coef`` as the recipe sets it, else (unset)
+    the model config's when its ``output_router_logits`` is on, else 0."""
+    if coefficient is not None:
+        return float(coefficient)
+    return float(config.router_aux_loss_coef or 0.0) if getattr(config, "output_router_logits", False) else 0.0
+
+
 def configure_router_aux_loss(model: torch.nn.Module, coefficient: float | None) -> float:
     """Apply ``router_aux_loss_coef`` to a MoE model: unset keeps what its config says (the load-balancing loss is
     added when ``output_router_logits``), 0 turns it off, a number turns it on with that weight. Returns the weight
@@ -76,8 +84,7 @@ def configure_router_aux_loss(model: torch.nn.Module, coefficient: float | None)
     config = model.config
     if not expert_count(config) or not hasattr(model, "router_aux_loss_coef"):
         return 0.0
-    if coefficient is None:
-        coefficient = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+    coefficient = router_aux_loss_coefficient(config, coefficient)
     config.output_router_logits = coefficient > 0
     config.router_aux_loss_coef = model.router_aux_loss_coef = coefficient
     return coefficient

@@ -37,7 +37,7 @@ from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.fsdp_settings import RuleContext, launcher_asks_for_fsdp
 from fsdp_peft.log import logger
-from fsdp_peft.moe import expert_count
+from fsdp_peft.moe import expert_count, router_aux_loss_coefficient
 from fsdp_peft.paths import local_model_config
 from fsdp_peft.xla import on_xla
 
@@ -331,10 +331,7 @@ def sequence_split_fits_the_model(context: RuleContext) -> str | None:
             f"{key}: {name} has sliding-window or chunked attention layers; the split attends to the whole causal "
             "prefix and would lose the window: set sequence_parallel_size: 1"
         )
-    aux = recipe.router_aux_loss_coef
-    if aux is None:  # unset: as the model's config says (`moe.configure_router_aux_loss`)
-        aux = getattr(text, "router_aux_loss_coef", 0.0) if getattr(text, "output_router_logits", False) else 0.0
-    if expert_count(text) and aux:
+    if expert_count(text) and (aux := router_aux_loss_coefficient(text, recipe.router_aux_loss_coef)):
         return (
             f"{key}: {name} is a mixture of experts whose router's load-balancing loss is on ({aux}); that loss "
             "multiplies two means over all of a row's tokens, which the split does not gather: set "

@@ -227,6 +227,11 @@ def _vision_keys_fit_the_model(context: RuleContext) -> str | None:
             f"model_name_or_path: {name} is a vision-language model; its preference and GRPO recipes are not built "
             "yet: fine-tune it with recipes/qwen_vl_lora.py or recipes/gemma3_vl_lora.py (docs/vision.md)"
         )
+    if low_memory_loading_requested(context.training):
+        return (
+            f"fsdp_cpu_ram_efficient_loading: low-memory loading of the vision-language model {name} is not built "
+            "(hub checkpoints name their tensors otherwise than the model): set it false (docs/vision.md)"
+        )
     if context.fsdp is not None and context.fsdp.version == 1:
         return (
             f"fsdp: {name} is a vision-language model; under FSDP1 its embeddings are a unit of their own, and "

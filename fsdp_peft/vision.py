@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from fsdp_peft.families import Family, VisionLayout, family_of_model
+from fsdp_peft.families import Family, VisionLayout
 
 ALL_LINEAR = "all-linear"
 
@@ -40,10 +40,14 @@ def auto_model_class(config):
 
 
 def _linear_leaves(model: torch.nn.Module, prefix: str) -> list[str]:
-    """The last name part of every ``nn.Linear`` under module path ``prefix`` (sorted, each once)."""
+    """The last name part of every linear layer (4-bit ones too) under module path ``prefix`` (sorted, each once)."""
     inside = f"{prefix}."
     return sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n.startswith(inside) and type(m) is torch.nn.Linear}
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if n.startswith(inside) and isinstance(m, torch.nn.Linear)
+        }
     )
 
 
@@ -60,8 +64,7 @@ def lora_target_regex(model: torch.nn.Module, layout: VisionLayout, names: list[
     if vision_tower:
         blocks = [n for n, m in model.named_modules() if type(m).__name__ == layout.block]
         parent = blocks[0].rsplit(".", 1)[0] if blocks else layout.tower
-        tower = [n for n in _linear_leaves(model, parent)]
-        parts.append(_under(parent, tower))
+        parts.append(_under(parent, _linear_leaves(model, parent)))
     return "|".join(parts)
 
 
@@ -99,9 +102,10 @@ def blank_image_inputs(config) -> dict:
     return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
 
 
-def _features(inner: torch.nn.Module, blank: dict) -> torch.Tensor:
+def _features(inner: torch.nn.Module, blank: dict, device: torch.device) -> torch.Tensor:
+    """The tower's features of the blank image, on ``device`` (the input ids': a parameter's shard may be offloaded),
+    in the embeddings' dtype."""
     dtype = next(inner.get_input_embeddings().parameters()).dtype
-    device = inner.get_input_embeddings().weight.device
     args = {k: (v.to(device, dtype) if k == "pixel_values" else v.to(device)) for k, v in blank.items()}
     output = inner.get_image_features(**args)
     features = getattr(output, "pooler_output", output)
@@ -125,14 +129,10 @@ def vision_runs_on_every_rank(model: torch.nn.Module) -> None:
         prefill = cache is None or cache.get_seq_length() == 0
         if pixel_values is None and inputs_embeds is None and input_ids is not None and prefill:
             inputs_embeds = self.get_input_embeddings()(input_ids)
-            inputs_embeds = inputs_embeds + 0.0 * _features(self, blank).sum().to(inputs_embeds.dtype)
+            features = _features(self, blank, input_ids.device)
+            inputs_embeds = inputs_embeds + 0.0 * features.sum().to(inputs_embeds.dtype)
             input_ids = input_ids if keeps_ids else None
         return original(*args, input_ids=input_ids, pixel_values=pixel_values, inputs_embeds=inputs_embeds, **kwargs)
 
     inner.forward = types.MethodType(forward, inner)
     inner._vision_on_every_rank = True
-
-
-def vision_layout(model: torch.nn.Module) -> VisionLayout | None:
-    """The model's `VisionLayout` (``None``: a text model)."""
-    return family_of_model(model).vision

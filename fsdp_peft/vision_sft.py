@@ -18,7 +18,7 @@ from fsdp_peft.data.vision_rows import (
     check_rows,
     open_image,
     processor_inputs,
-    read_jsonl,
+    read_rows,
 )
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.generation import GenerationSettings, exact_match_of, generate_completions
@@ -62,9 +62,9 @@ def load_data(recipe, tokenizer, training=None) -> tuple:
     processor.tokenizer.pad_token = processor.tokenizer.pad_token or tokenizer.pad_token
     vision = is_vision_config(local_model_config(recipe.model_name_or_path, recipe.trust_remote_code))
     train_file, eval_file = _split_files(recipe)
-    train = check_rows(read_jsonl(train_file), train_file, processor, recipe.max_seq_length, vision)
+    train = check_rows(read_rows(train_file), train_file, processor, recipe.max_seq_length, vision)
     held_out = (
-        check_rows(read_jsonl(eval_file), eval_file, processor, recipe.max_seq_length, vision) if eval_file else []
+        check_rows(read_rows(eval_file), eval_file, processor, recipe.max_seq_length, vision) if eval_file else []
     )
     return RowsDataset(train), RowsDataset(held_out) if held_out else None, held_out, processor
 

@@ -12,7 +12,6 @@ each lora_B (zero at the start) is minus the learning rate times the sum of its 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
 from fsdp_peft import paths
-from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_jsonl
+from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_rows
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import FAMILIES, family_for
 from fsdp_peft.tiny_vision import QUESTION, load_processor
@@ -82,7 +81,7 @@ def write_mixed_rows(directory: Path, per_rank: int, one_length_for: str | None 
     of 5 letters, text prompts filled with spaces), so that both sides multiply matrices of the same widths: in
     bf16 a kernel's blocking follows the padded length, and its rounding with it."""
     source = paths.tiny_colors_path()
-    pictured = [r for r in read_jsonl(source / "train.jsonl") if r["images"]]
+    pictured = [r for r in read_rows(source / "train.jsonl") if r["images"]]
     images = [(r["messages"][1]["content"][0]["text"], str(source / r["images"][0])) for r in pictured]
     filler = 0
     if one_length_for:
@@ -180,7 +179,7 @@ def test_two_ranks_equal_one_process_also_when_one_ranks_rows_have_no_images(run
         assert not copies
     results = [json.loads((d / "results.json").read_text()) for d in (runs["sharded"], runs["single"])]
     if "qlora" not in runs["case"]:  # generation, one rank's prompts with images and the other's without: the same
-        samples = [read_jsonl(d / "samples.jsonl") for d in (runs["sharded"], runs["single"])]
+        samples = [read_rows(d / "samples.jsonl") for d in (runs["sharded"], runs["single"])]
         assert [s["generated"] for s in samples[0]] == [s["generated"] for s in samples[1]]
         assert len(samples[0]) == 6
     assert results[0]["tokens"] == results[1]["tokens"] > 0
@@ -197,7 +196,7 @@ def test_labels_are_the_answer_and_its_end_token_only(model, mixed_rows):
     path = paths.resolve_model_path(model)
     processor = load_processor(path)
     file = mixed_rows[4] / "train.jsonl"
-    rows = check_rows(read_jsonl(file)[:8], file, processor, 64, True)
+    rows = check_rows(read_rows(file)[:8], file, processor, 64, True)
     batch = VisionCollator(processor)(rows)
     tokenizer = processor.tokenizer
     for index, row in enumerate(rows):
@@ -228,11 +227,11 @@ def test_a_bad_row_stops_the_run_in_one_line_naming_its_file_and_row(name, tmp_p
     row, vision, message = BAD_ROWS[name]
     (tmp_path / "broken.png").write_bytes(b"not a png")
     source = paths.tiny_colors_path()
-    (tmp_path / "a.png").write_bytes((source / read_jsonl(source / "eval.jsonl")[0]["images"][0]).read_bytes())
+    (tmp_path / "a.png").write_bytes((source / read_rows(source / "eval.jsonl")[0]["images"][0]).read_bytes())
     processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
     file = _bad(tmp_path, row)
     with pytest.raises(ConfigError) as raised:
-        check_rows(read_jsonl(file), file, processor, 64, vision)
+        check_rows(read_rows(file), file, processor, 64, vision)
     assert str(raised.value).startswith(f"{file} row 1: {message.format(dir=tmp_path)}")
     assert "\n" not in str(raised.value)
 
@@ -245,25 +244,29 @@ def test_image_tokens_past_max_seq_length_stop_the_recipe_before_any_weights_loa
     assert "Traceback" not in result.stderr and not (tmp_path / "out" / "adapter").exists()
 
 
-def test_the_language_model_alone_is_adapted_and_quantized_by_default():
-    from transformers import AutoModelForImageTextToText
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+@pytest.mark.parametrize("model_name", RECIPES.values())
+@pytest.mark.parametrize("targets", [["auto"], ["all-linear"], ["q_proj", "v_proj"]], ids=lambda t: t[0])
+def test_lora_adapts_the_language_models_layers_only_and_qlora_quantizes_only_them(model_name, four_bit, targets):
+    """The recipe's build (`modeling.load_base_model`, `modeling.attach_lora`) against the module tree itself:
+    every adapted module is a linear layer of the language model, every one named (all of them for auto and
+    all-linear), on the plain base and the 4-bit one; the tower and projector stay unquantized."""
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.modeling import attach_lora, load_base_model
 
-    from fsdp_peft.vision import lora_target_regex
-
-    for model_name in RECIPES.values():
-        path = paths.resolve_model_path(model_name)
-        model = AutoModelForImageTextToText.from_pretrained(path)
-        family = family_for(model.config.model_type)
-        names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-        default = [n for n in names if re.fullmatch(lora_target_regex(model, family.vision, ["all-linear"], False), n)]
-        assert default and all(n.startswith(family.vision.language_model + ".") for n in default)
-        assert len(default) == 4 * 7  # every linear layer of the 4 decoder layers
-        tower = lora_target_regex(model, family.vision, ["q_proj"], True)
-        adapted = [n for n in names if re.fullmatch(tower, n)]
-        assert any(n.startswith(family.vision.tower + ".") for n in adapted)
-        assert not any(n.startswith(family.vision.projector + ".") for n in adapted)
-        skip = quantization_skip_modules(family)
-        assert skip == [family.vision.tower, family.vision.projector, "lm_head"]
+    recipe = RecipeArguments(model_name_or_path=model_name, load_in_4bit=four_bit, lora_target_modules=targets,
+                             torch_dtype="bfloat16" if four_bit else "float32", lora_dropout=0.0)  # fmt: skip
+    training = type("Flags", (), {"bf16": four_bit, "fp16": False})()
+    base = load_base_model(recipe)
+    layout = family_for(base.config.model_type).vision
+    language = f"{layout.language_model}."
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(language)}
+    quantized = {n for n, m in base.named_modules() if type(m).__name__ == "Linear4bit"}
+    base = attach_lora(base, recipe, training).get_base_model()
+    adapted = {n for n, m in base.named_modules() if hasattr(m, "lora_A")}
+    wanted = {n for n in linear if targets[0] in ("auto", "all-linear") or n.rsplit(".", 1)[-1] in targets}
+    assert adapted == wanted and len(adapted) == 4 * (7 if len(targets) == 1 else 2)
+    assert quantized == (linear if four_bit else set())  # every linear layer of the language model, no other
 
 
 def test_a_skip_list_that_matches_nothing_is_caught_and_ours_keeps_the_tower_16_bit():
@@ -348,7 +351,7 @@ def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower
     reference = PeftModel.from_pretrained(base, trained / "adapter").eval()
     processor = load_processor(merged)  # the export carries the processor
     file = runs_of.rows / "eval.jsonl"
-    rows = [r for r in check_rows(read_jsonl(file), file, processor, 64, True) if r.images]
+    rows = [r for r in check_rows(read_rows(file), file, processor, 64, True) if r.images]
     batch = VisionCollator(processor)(rows)
     with torch.no_grad():
         got, want = exported(**batch).logits, reference(**batch).logits
@@ -377,7 +380,7 @@ def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_im
     print(f"{recipe}: exact match {results['exact_match_after']:.3f} on {results['generated_samples']} held-out images")
     assert results["exact_match_after"] >= 0.9 and results["generated_samples"] == 48
     source = paths.tiny_colors_path()
-    row = read_jsonl(source / "eval.jsonl")[1]
+    row = read_rows(source / "eval.jsonl")[1]
     answer = row["messages"][-1]["content"][0]["text"]
     command = ["accelerate", "launch", "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
                "-m", "fsdp_peft.cli", "generate", str(out), "--image", str(source / row["images"][0]),
@@ -413,7 +416,7 @@ def test_rows_with_a_datasets_image_column_in_parquet_train_as_their_files_would
     from fsdp_peft.vision_sft import _split_files
 
     source = paths.tiny_colors_path()
-    rows = [r for r in read_jsonl(source / "train.jsonl") if r["images"]][:4]
+    rows = [r for r in read_rows(source / "train.jsonl") if r["images"]][:4]
     features = datasets.Features(
         {
             "messages": [{"role": datasets.Value("string"), "content": [{"type": datasets.Value("string"),
@@ -429,8 +432,39 @@ def test_rows_with_a_datasets_image_column_in_parquet_train_as_their_files_would
     train, held_out = _split_files(recipe)
     assert (train, held_out) == (tmp_path / "train.parquet", None)
     processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
-    from_parquet = check_rows(read_jsonl(train), train, processor, 64, True)
+    from_parquet = check_rows(read_rows(train), train, processor, 64, True)
     from_files = check_rows(rows, source / "train.jsonl", processor, 64, True)
     assert [type(r.images[0]) for r in from_parquet] == [bytes, bytes, str, str]
     a, b = VisionCollator(processor)(from_parquet), VisionCollator(processor)(from_files)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_vision_base_in_the_hubs_older_tensor_layout_is_refused_by_export_in_one_line(tmp_path):
+    """Hub Qwen2.5-VL checkpoints store ``model.layers.*`` and ``visual.*`` (transformers renames them on load)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from fsdp_peft.export import check_vision_base_layout
+
+    source = Path(paths.resolve_model_path("tiny-qwen2.5-vl"))
+    hub = tmp_path / "hub"
+    shutil.copytree(source, hub)
+    tensors = load_file(source / "model.safetensors")
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in tensors.items()}  # fmt: skip
+    save_file(renamed, hub / "model.safetensors")
+    check_vision_base_layout({k: source / "model.safetensors" for k in tensors}, source)  # ours: accepted
+    with pytest.raises(ConfigError, match="stores its tensors in the hub's older layout") as raised:
+        check_vision_base_layout({k: hub / "model.safetensors" for k in renamed}, hub)
+    assert "\n" not in str(raised.value)
+
+
+def test_low_memory_loading_of_a_vision_language_model_is_refused_in_one_line(tmp_path):
+    launcher = (REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml").read_text()
+    (tmp_path / "lowmem.yaml").write_text(launcher.replace("cpu_ram_efficient_loading: false",
+                                                           "cpu_ram_efficient_loading: true"))  # fmt: skip
+    result = run_command(["fsdp-peft", "validate", str(REPO / "configs" / "qwen_vl_lora" / "tiny.yaml"),
+                          "--accelerate-config", str(tmp_path / "lowmem.yaml")])  # fmt: skip
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "fsdp_cpu_ram_efficient_loading: low-memory loading of the vision-language model" in result.stderr

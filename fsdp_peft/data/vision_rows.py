@@ -42,7 +42,7 @@ class VisionRow:
     where: str  # file and row, for messages
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict]:
     """The rows of a ``.jsonl`` (one JSON object a line), ``.json`` (a list of them) or ``.parquet`` file (as
     ``datasets`` writes one: an ``Image`` column holds ``{"bytes": ..., "path": ...}`` values)."""
     if path.suffix == ".parquet":
@@ -125,30 +125,35 @@ def check_rows(rows: list[dict], source: Path, processor, max_seq_length: int, v
         text = processor.apply_chat_template(messages, tokenize=False)
         if not text.startswith(prompt):
             raise ConfigError(f"{where}: the chat template renders the prompt differently inside the whole row")
-        tokens = _token_count(processor, text, opened)
+        ids = _token_ids(processor, text, opened)
+        tokens = len(ids)
         if tokens > max_seq_length:
             raise ConfigError(
                 f"{where}: {tokens} tokens with its image tokens, over max_seq_length {max_seq_length}; raise "
                 "max_seq_length, or use smaller images"
             )
         answer = _text_of(messages[-1]["content"])
-        prompt_tokens = _token_count(processor, prompt, opened)
-        out.append(VisionRow(text, prompt, answer, references, tokens, prompt_tokens, where))
+        prompt_ids = _token_ids(processor, prompt, opened)
+        if ids[: len(prompt_ids)] != prompt_ids:  # the labels start where the prompt's tokens end
+            raise ConfigError(f"{where}: the tokenizer splits the prompt differently inside the whole row")
+        out.append(VisionRow(text, prompt, answer, references, tokens, len(prompt_ids), where))
     return out
 
 
-def _token_count(processor, text: str, images: list) -> int:
-    encoded = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    return int(encoded["input_ids"].shape[1])
+def _token_ids(processor, text: str, images: list) -> list[int]:
+    encoded = processor(text=[text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False)
+    return encoded["input_ids"][0].tolist()
 
 
 def processor_inputs(processor, texts: list[str], images: list[list]) -> dict:
-    """The processor's batch for ``texts`` with their ``images`` (a list per text, possibly empty)."""
+    """The processor's batch for ``texts`` with their ``images`` (a list per text, possibly empty). The texts come
+    from the chat template, which writes the special tokens itself (Gemma's BOS): the tokenizer adds none."""
+    common = {"return_tensors": "pt", "padding": True, "add_special_tokens": False}
     if not any(images):
-        return dict(processor(text=texts, return_tensors="pt", padding=True))
+        return dict(processor(text=texts, **common))
     nested = getattr(processor, "image_processor", None).__class__.__name__.startswith("Gemma3")
     flat = [image for row in images for image in row]
-    return dict(processor(text=texts, images=images if nested else flat, return_tensors="pt", padding=True))
+    return dict(processor(text=texts, images=images if nested else flat, **common))
 
 
 class VisionCollator:
