@@ -21,6 +21,7 @@ ACCELERATE_CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 # (pyproject.toml's -n 2 --dist loadfile) a long file started last would run alone at the end. Order only.
 LONGEST_FIRST = [
     "test_docs.py",
+    "test_vision.py",
     "test_variants.py",
     "test_fsdp_routes.py",
     "test_runs.py",

@@ -343,6 +343,7 @@ REFUSALS = {  # arguments after SOURCE, the error line's start
 def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path, monkeypatch):
     import datasets.config
     import huggingface_hub.constants
+    import transformers
 
     from fsdp_peft import evaluation, inference
 
@@ -350,7 +351,8 @@ def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path
         raise AssertionError("weights were loaded")
 
     monkeypatch.setattr(inference, "load_base_model", no_weights)
-    monkeypatch.setattr(inference.AutoModelForCausalLM, "from_pretrained", no_weights)
+    for auto_class in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        monkeypatch.setattr(auto_class, "from_pretrained", no_weights)  # what inference loads merged models with
     if case != "not a model":  # the task checks come before SOURCE is even looked at
         monkeypatch.setattr(evaluation, "load_for_generation", no_weights)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, read at import

@@ -369,6 +369,7 @@ def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower
 
 
 DEFAULTS = ["qwen_vl_lora", "qwen_vl_qlora", "gemma3_vl_lora", "gemma3_vl_qlora"]
+GENERATED_FROM = ("qwen_vl_lora", "gemma3_vl_qlora")  # fsdp-peft generate --image, sharded: one run of each family
 
 
 @pytest.mark.slow
@@ -379,6 +380,8 @@ def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_im
     results = read_json(out / "results.json")
     print(f"{recipe}: exact match {results['exact_match_after']:.3f} on {results['generated_samples']} held-out images")
     assert results["exact_match_after"] >= 0.9 and results["generated_samples"] == 48
+    if recipe not in GENERATED_FROM:
+        return
     source = paths.tiny_colors_path()
     row = read_rows(source / "eval.jsonl")[1]
     answer = row["messages"][-1]["content"][0]["text"]
