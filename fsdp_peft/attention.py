@@ -14,7 +14,6 @@ import re
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.utils import (
     is_flash_attn_2_available,
@@ -24,6 +23,7 @@ from transformers.utils import (
 )
 
 from fsdp_peft.paths import local_model_config
+from fsdp_peft.vision import auto_model_class
 
 AUTO = "auto"
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -68,7 +68,8 @@ def chosen_attention(value: str, model_class: type | None) -> str:
 
 
 def causal_lm_class(config, trust_remote_code: bool = False) -> type | None:
-    """The class ``AutoModelForCausalLM`` builds for ``config``, found without weights; ``None`` when unknown
+    """The class ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for a vision-language model:
+    `fsdp_peft.vision.auto_model_class`) builds for ``config``, found without weights; ``None`` when unknown
     here (remote code not trusted or not on this machine, or no causal LM)."""
     reference = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
     if reference and trust_remote_code:
@@ -76,9 +77,7 @@ def causal_lm_class(config, trust_remote_code: bool = False) -> type | None:
             return get_class_from_dynamic_module(reference, config.name_or_path, local_files_only=True)
         except (OSError, ValueError, ImportError):
             return None
-    if getattr(config, "vision_config", None) is not None:  # a vision-language model (fsdp_peft.vision)
-        return AutoModelForImageTextToText._model_mapping.get(type(config), None)
-    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return auto_model_class(config)._model_mapping.get(type(config), None)
 
 
 def model_class_named(name: str, trust_remote_code: bool = False) -> type | None:
