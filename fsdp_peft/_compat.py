@@ -388,6 +388,20 @@ UPSTREAM: tuple[Upstream, ...] = (
         "Qwen2.5-VL's class no longer sets accepts_loss_kwargs = False",
         mentions=("self.loss_function(", "**kwargs"),
     ),
+    Upstream(
+        "transformers.conversion_mapping:get_model_conversion_mapping",
+        ("model",),
+        "fsdp_peft.vision.names_as_loaded",
+        "the renamings transformers applies to a checkpoint's keys while loading (the hub's older VLM layouts)",
+        "export reads checkpoints through transformers' own loader",
+    ),
+    Upstream(
+        "transformers.core_model_loading:rename_source_key",
+        ("source_key", "weight_renamings", "weight_converters", "base_model_prefix", "meta_state_dict"),
+        "fsdp_peft.vision.names_as_loaded",
+        "one stored key renamed as transformers' loader renames it",
+        "export reads checkpoints through transformers' own loader",
+    ),
 )
 TRL_VERIFIED = {"trl": ("1.16.0", "1.17")}  # checked where trl is imported: its recipes, not SFT or the CLI
 

@@ -85,19 +85,18 @@ MODEL_SIDE_FILES = (
 )
 
 
-def check_vision_base_layout(files: dict[str, Path], base: Path) -> None:
-    """A vision-language base must store its tensors under the model's own names (``model.language_model.*``, as
-    transformers 5 saves them); the hub's older layout (``model.layers.*``, ``visual.*``), which transformers renames
-    while loading, is not mapped here yet. Raised before anything is written."""
+def stored_names_as_loaded(files: dict[str, Path], base: Path) -> dict[str, str]:
+    """``{stored key: the model's name}`` where a vision-language base stores its tensors under other names than
+    its model's (the hub's older layout, `fsdp_peft.vision.names_as_loaded`): the adapter's names are the model's,
+    the export keeps the base's (it loads wherever the base loads). Empty otherwise (read from config.json alone)."""
     config = base / "config.json"
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     vision = family_for(model_type).vision
-    if vision is not None and not any(key.startswith(f"{vision.language_model}.") for key in files):
-        raise ConfigError(
-            f"export: base {base} stores its tensors in the hub's older layout (no '{vision.language_model}.*' "
-            "names); merging a vision-language model from it is not built yet: load base + adapter with "
-            "transformers and peft and merge_and_unload() instead (docs/vision.md)"
-        )
+    if vision is None or any(key.startswith(f"{vision.language_model}.") for key in files):
+        return {}
+    from fsdp_peft.vision import names_as_loaded  # lazy: transformers' model code, for hub-layout bases only
+
+    return names_as_loaded(base, files)
 
 
 def check_adapter_fits_base(updates: dict, files: dict[str, Path], adapter: Adapter, base: Path) -> None:
@@ -281,10 +280,11 @@ def merged_tensors(
     base_variant: str,
     out_dtype: torch.dtype,
     progress: bool,
+    loaded: dict[str, str],
 ):
     """Yield ``(key, merged tensor in out_dtype)`` for every base tensor, reading one tensor at a time (merged
-    in fp32, rounded once; ``updates``: the adapter's, by base key); each yielded tensor is the caller's own (no
-    scratch buffer)."""
+    in fp32, rounded once; ``updates``: the adapter's, by base key; ``loaded``: the model's names of keys stored
+    under others, `stored_names_as_loaded`); each yielded tensor is the caller's own (no scratch buffer)."""
     scratch = Scratch()
     replaced = {key for key, update in updates.items() if update.replacement is not None}
     with tqdm(total=len(base_files), desc="export", unit="tensor", disable=not progress) as bar:
@@ -294,16 +294,17 @@ def merged_tensors(
                 if key in replaced:  # rounded once from the trained copy, as through fp32
                     tensor = updates[key].replacement.to(out_dtype, copy=True)
                 else:
-                    tensor = merged_tensor(key, next(read)[1], updates, scratch, adapter, base_variant, out_dtype)
+                    tensor = next(read)[1]
+                    if base_variant == "nf4" and is_quantized_in_training(loaded.get(key, key), tensor):
+                        tensor = nf4_round_trip(tensor, adapter.recipe)
+                    tensor = merged_tensor(key, tensor, updates, scratch, out_dtype)
                 yield key, tensor
                 bar.update()
             read.close()
 
 
-def merged_tensor(key: str, tensor, updates: dict, scratch: Scratch, adapter: Adapter, base_variant: str, out_dtype):
+def merged_tensor(key: str, tensor, updates: dict, scratch: Scratch, out_dtype):
     """Base tensor ``key`` merged (in fp32, in ``scratch``) and rounded once to ``out_dtype``."""
-    if base_variant == "nf4" and is_quantized_in_training(key, tensor):
-        tensor = nf4_round_trip(tensor, adapter.recipe)
     if key not in updates:
         return tensor.to(out_dtype) if tensor.is_floating_point() else tensor
     merged = updates[key].apply(tensor, scratch)
@@ -368,8 +369,11 @@ def export_merged(
     check_trained_base(adapter, base_dir, allow_base_mismatch)
     check_base_is_unquantized(base_dir)
     files = base_tensor_files(base_dir)
-    updates = adapter.updates_by_base_key(base_shapes(files))
-    check_vision_base_layout(files, base_dir)
+    loaded = stored_names_as_loaded(files, base_dir)
+    stored = {name: key for key, name in loaded.items()}
+    shapes = base_shapes(files)
+    by_name = adapter.updates_by_base_key({loaded.get(key, key): shape for key, shape in shapes.items()})
+    updates = {stored.get(name, name): update for name, update in by_name.items()}  # merged where stored
     check_adapter_fits_base(updates, files, adapter, base_dir)
     out_dtype = OUTPUT_DTYPES[dtype]
 
@@ -380,7 +384,7 @@ def export_merged(
         # Writes overlap with the next tensor's read and merge, which runs on one torch thread: it is memory-bound,
         # and a second would spin for work (measured: user CPU 8.9 s with 2 threads, 5.1 s with 1, wall no slower).
         with behind(writer.write) as write, torch_threads(1):
-            for key, tensor in merged_tensors(files, adapter, updates, base_variant, out_dtype, progress):
+            for key, tensor in merged_tensors(files, adapter, updates, base_variant, out_dtype, progress, loaded):
                 write(key, tensor)
         writer.finish()
         write_model_files(base_dir, staging, out_dtype)

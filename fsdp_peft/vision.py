@@ -39,6 +39,34 @@ def auto_model_class(config):
     return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
 
 
+def names_as_loaded(base, keys) -> dict[str, str]:
+    """``{stored key: the model's parameter name}`` for the tensors of checkpoint directory ``base`` whose stored
+    names differ from the model's: a vision-language checkpoint in the hub's older layout (Qwen2.5-VL's
+    ``model.layers.*`` and ``visual.*``, Gemma 3's ``language_model.model.*``), renamed as transformers renames them
+    while loading (its conversion mapping for the model, applied to a model built on the meta device). Empty for a
+    checkpoint stored under the model's own names, and for text-only models (their names are never renamed here)."""
+    from transformers import AutoConfig  # lazy: model code
+    from transformers.conversion_mapping import get_model_conversion_mapping  # lazy: as above
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key  # lazy: as above
+
+    config = AutoConfig.from_pretrained(base)
+    if not is_vision_config(config):
+        return {}
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    names = model.state_dict()
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    loaded = {}
+    for key in keys:
+        if key in names:
+            continue
+        renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
+        loaded[key] = renamed
+    return loaded
+
+
 def _linear_leaves(model: torch.nn.Module, prefix: str) -> list[str]:
     """The last name part of every linear layer (4-bit ones too) under module path ``prefix`` (sorted, each once)."""
     inside = f"{prefix}."

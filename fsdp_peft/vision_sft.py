@@ -8,9 +8,12 @@ the eval loss. A batch without images on some ranks trains as one with images ev
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from fsdp_peft.config import SFT
+from fsdp_peft.data.cache import downloaded_hub_splits
+from fsdp_peft.data.sources import Source, data_sources, read_source
 from fsdp_peft.data.vision_rows import (
     RowsDataset,
     VisionCollator,
@@ -18,10 +21,11 @@ from fsdp_peft.data.vision_rows import (
     check_rows,
     open_image,
     processor_inputs,
-    read_rows,
+    rows_of,
 )
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.generation import GenerationSettings, exact_match_of, generate_completions
+from fsdp_peft.log import logger
 from fsdp_peft.paths import local_model_config, resolve_model_path, tiny_colors_path
 from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.run_file_names import SAMPLES_FILE
@@ -30,27 +34,21 @@ from fsdp_peft.tiny_vision import TINY_COLORS_NAME, load_processor
 from fsdp_peft.trainer import PeftFsdpTrainer
 from fsdp_peft.vision import is_vision_config
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
 
-
-def _split_files(recipe) -> tuple[Path, Path | None]:
-    """The train and eval files: ``train_file``/``eval_file``, else ``dataset``'s ``train.jsonl``/``eval.jsonl``."""
-    if recipe.train_file:
-        return Path(recipe.train_file).expanduser(), recipe.eval_file and Path(recipe.eval_file).expanduser()
-    directory = tiny_colors_path() if recipe.dataset == TINY_COLORS_NAME else Path(recipe.dataset).expanduser()
-    if directory.is_file():
-        return directory, None
-    train = next((f for f in _named(directory, ("train",))), None)
-    if train is None:
-        raise ConfigError(
-            f"dataset: {recipe.dataset} has no train.jsonl (or .json, .parquet); vision-language recipes read local "
-            "chat rows with images (docs/vision.md)"
-        )
-    return train, next(_named(directory, ("eval", "validation")), None)
-
-
-def _named(directory: Path, names: tuple[str, ...]):
-    return (directory / f"{n}{s}" for n in names for s in SUFFIXES if (directory / f"{n}{s}").is_file())
+def _rows(source: Source | None, processor, recipe, vision: bool, hub_splits: dict | None = None) -> list[VisionRow]:
+    """Every row of ``source`` (data files, or a hub split: from ``hub_splits`` when loaded already), checked
+    (`check_rows`; with ``skip_invalid_rows`` bad rows are left out and counted); none without a source."""
+    if source is None:
+        return []
+    rows, dropped = [], [] if recipe.skip_invalid_rows else None
+    for where, table in read_source(source, hub_splits):
+        checked_from = Path(where) if source.files else where
+        rows += check_rows(rows_of(table, where), checked_from, processor, recipe.max_seq_length, vision, dropped)
+    if dropped:
+        logger.warning(f"{source}: skipped {len(dropped)} rows (skip_invalid_rows: true); the first: {dropped[0]}")
+    if not rows:
+        raise ConfigError(f"{source}: no rows left to train on ({len(dropped or [])} skipped as invalid)")
+    return rows
 
 
 def load_data(recipe, tokenizer, training=None) -> tuple:
@@ -61,11 +59,12 @@ def load_data(recipe, tokenizer, training=None) -> tuple:
     processor = load_processor(path)
     processor.tokenizer.pad_token = processor.tokenizer.pad_token or tokenizer.pad_token
     vision = is_vision_config(local_model_config(recipe.model_name_or_path, recipe.trust_remote_code))
-    train_file, eval_file = _split_files(recipe)
-    train = check_rows(read_rows(train_file), train_file, processor, recipe.max_seq_length, vision)
-    held_out = (
-        check_rows(read_rows(eval_file), eval_file, processor, recipe.max_seq_length, vision) if eval_file else []
-    )
+    if recipe.dataset == TINY_COLORS_NAME:
+        recipe = replace(recipe, dataset=str(tiny_colors_path()))
+    train_source, eval_source = data_sources(recipe)
+    hub_splits = downloaded_hub_splits([train_source, eval_source])
+    train = _rows(train_source, processor, recipe, vision, hub_splits)
+    held_out = _rows(eval_source, processor, recipe, vision, hub_splits)
     return RowsDataset(train), RowsDataset(held_out) if held_out else None, held_out, processor
 
 

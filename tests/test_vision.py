@@ -12,12 +12,13 @@ each lora_B (zero at the start) is minus the learning rate times the sum of its 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
 from fsdp_peft import paths
@@ -244,6 +245,30 @@ def test_image_tokens_past_max_seq_length_stop_the_recipe_before_any_weights_loa
     assert "Traceback" not in result.stderr and not (tmp_path / "out" / "adapter").exists()
 
 
+def test_skip_invalid_rows_leaves_out_and_counts_the_rows_that_would_stop_the_run(tmp_path, capsys):
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.data.sources import Source
+    from fsdp_peft.vision_sft import _rows
+
+    source = paths.tiny_colors_path()
+    rows = read_rows(source / "eval.jsonl")[:3]
+    for row in rows:
+        row["images"] = [str(source / image) for image in row["images"]]
+    too_long = _text_row("red", filler=80)  # its text alone is past max_seq_length 64
+    missing = _image_row("red", str(tmp_path / "nowhere.png"))
+    file = tmp_path / "train.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in [rows[0], too_long, rows[1], missing, rows[2]]))
+    processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
+    strict = RecipeArguments(model_name_or_path="tiny-qwen2.5-vl", dataset=str(file), max_seq_length=64)
+    with pytest.raises(ConfigError, match=f"{file} row 2: .* over max_seq_length 64; .* skip_invalid_rows: true"):
+        _rows(Source((file,)), processor, strict, True)
+    lenient = RecipeArguments(model_name_or_path="tiny-qwen2.5-vl", dataset=str(file), max_seq_length=64,
+                              skip_invalid_rows=True)  # fmt: skip
+    kept = _rows(Source((file,)), processor, lenient, True)
+    assert [row.where for row in kept] == [f"{file} row {n}" for n in (1, 3, 5)]
+    assert f"skipped 2 rows (skip_invalid_rows: true); the first: {file} row 2: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
 @pytest.mark.parametrize("model_name", RECIPES.values())
 @pytest.mark.parametrize("targets", [["auto"], ["all-linear"], ["q_proj", "v_proj"]], ids=lambda t: t[0])
@@ -367,6 +392,43 @@ def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower
             continue  # trained
         assert torch.equal(written[key], tensor.float()), key  # fp32 export of fp32 base: bit for bit
 
+    # The same base in the hub's older layout (what the hub's Qwen2.5-VL and Gemma 3 checkpoints store): the export
+    # keeps that layout and merges the same numbers into it.
+    hub, renamed = tmp_path / "hub-layout", _in_hubs_older_layout(base_dir, layout)
+    shutil.copytree(base_dir, hub)
+    save_file({renamed[k]: v for k, v in load_file(base_dir / "model.safetensors").items()}, hub / "model.safetensors")
+    merged_from_hub = tmp_path / "merged-from-hub"
+    result = run_command(["fsdp-peft", "export", str(trained), "--base", str(hub), "--out", str(merged_from_hub),
+                          "--dtype", "fp32"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    written_from_hub = load_file(merged_from_hub / "model.safetensors")
+    assert written_from_hub.keys() == {renamed[k] for k in written}
+    assert all(torch.equal(written_from_hub[renamed[k]], v) for k, v in written.items())
+    loaded = AutoModelForImageTextToText.from_pretrained(merged_from_hub, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, got)
+
+
+def _in_hubs_older_layout(base_dir: Path, layout) -> dict[str, str]:
+    """``{our key: the hub checkpoint's}``, as the hub's Qwen2.5-VL (``model.layers.*``, ``visual.*``) and Gemma 3
+    (``language_model.model.*``, ``vision_tower.*``, ``multi_modal_projector.*``) checkpoints name them."""
+    keys = load_file(base_dir / "model.safetensors").keys()
+    if layout.tower == "model.visual":  # Qwen2.5-VL
+        prefixes = {"model.language_model.": "model.", "model.visual.": "visual."}
+    else:  # Gemma 3
+        prefixes = {
+            "model.language_model.": "language_model.model.",
+            "model.vision_tower.": "vision_tower.",
+            "model.multi_modal_projector.": "multi_modal_projector.",
+            "lm_head.": "language_model.lm_head.",
+        }
+    renamed = {}
+    for key in keys:
+        ours = next((p for p in prefixes if key.startswith(p)), None)
+        renamed[key] = key if ours is None else prefixes[ours] + key.removeprefix(ours)
+    assert renamed != dict(zip(keys, keys))
+    return renamed
+
 
 DEFAULTS = ["qwen_vl_lora", "qwen_vl_qlora", "gemma3_vl_lora", "gemma3_vl_qlora"]
 GENERATED_FROM = ("qwen_vl_lora", "gemma3_vl_qlora")  # fsdp-peft generate --image, sharded: one run of each family
@@ -412,11 +474,14 @@ def test_fsdp1_is_refused_for_a_vision_language_model_in_one_line():
     assert "fsdp: tiny-qwen2.5-vl is a vision-language model; under FSDP1" in result.stderr
 
 
-def test_rows_with_a_datasets_image_column_in_parquet_train_as_their_files_would(tmp_path):
-    """What ``datasets`` writes for an ``Image`` column (the hub's VLM datasets): ``{"bytes", "path"}`` values."""
+def test_rows_with_a_datasets_image_column_in_parquet_or_a_hub_split_train_as_their_files_would(tmp_path, monkeypatch):
+    """What ``datasets`` writes for an ``Image`` column (the hub's VLM datasets): ``{"bytes", "path"}`` values, in a
+    parquet file beside the config or as a hub split (``datasets.load_dataset``, here of that file: no network)."""
     import datasets
 
-    from fsdp_peft.vision_sft import _split_files
+    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.data import sources
+    from fsdp_peft.vision_sft import _rows
 
     source = paths.tiny_colors_path()
     rows = [r for r in read_rows(source / "train.jsonl") if r["images"]][:4]
@@ -431,36 +496,28 @@ def test_rows_with_a_datasets_image_column_in_parquet_train_as_their_files_would
     images += [[str(source / r["images"][0])] for r in rows[2:]]  # a path
     table = {"messages": [r["messages"] for r in rows], "images": images}
     datasets.Dataset.from_dict(table, features=features).to_parquet(tmp_path / "train.parquet")
-    recipe = type("Recipe", (), {"train_file": None, "dataset": str(tmp_path)})()
-    train, held_out = _split_files(recipe)
-    assert (train, held_out) == (tmp_path / "train.parquet", None)
     processor = load_processor(paths.resolve_model_path("tiny-qwen2.5-vl"))
-    from_parquet = check_rows(read_rows(train), train, processor, 64, True)
     from_files = check_rows(rows, source / "train.jsonl", processor, 64, True)
-    assert [type(r.images[0]) for r in from_parquet] == [bytes, bytes, str, str]
-    a, b = VisionCollator(processor)(from_parquet), VisionCollator(processor)(from_files)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    local = RecipeArguments(model_name_or_path="tiny-qwen2.5-vl", dataset=str(tmp_path), max_seq_length=64)
+    train, held_out = sources.data_sources(local)
+    assert (train.files, held_out) == ((tmp_path / "train.parquet",), None)
+    from_parquet = _rows(train, processor, local, True)
 
+    real_load_dataset = datasets.load_dataset
 
-def test_a_vision_base_in_the_hubs_older_tensor_layout_is_refused_by_export_in_one_line(tmp_path):
-    """Hub Qwen2.5-VL checkpoints store ``model.layers.*`` and ``visual.*`` (transformers renames them on load)."""
-    import shutil
+    def load_dataset(name, config, split):  # what the hub's loader returns: a split whose images decode on access
+        assert (name, config, split) == ("someone/colors", None, "train")
+        return real_load_dataset("parquet", data_files={"train": str(tmp_path / "train.parquet")}, split=split)
 
-    from safetensors.torch import save_file
-
-    from fsdp_peft.export import check_vision_base_layout
-
-    source = Path(paths.resolve_model_path("tiny-qwen2.5-vl"))
-    hub = tmp_path / "hub"
-    shutil.copytree(source, hub)
-    tensors = load_file(source / "model.safetensors")
-    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
-               for k, v in tensors.items()}  # fmt: skip
-    save_file(renamed, hub / "model.safetensors")
-    check_vision_base_layout({k: source / "model.safetensors" for k in tensors}, source)  # ours: accepted
-    with pytest.raises(ConfigError, match="stores its tensors in the hub's older layout") as raised:
-        check_vision_base_layout({k: hub / "model.safetensors" for k in renamed}, hub)
-    assert "\n" not in str(raised.value)
+    monkeypatch.setattr(sources.datasets, "load_dataset", load_dataset)
+    hub = RecipeArguments(model_name_or_path="tiny-qwen2.5-vl", dataset="someone/colors", max_seq_length=64)
+    train, held_out = sources.data_sources(hub)
+    from_hub = _rows(train, processor, hub, True)
+    assert held_out is None and from_hub[0].where == "someone/colors[train] row 1"
+    for checked in (from_parquet, from_hub):
+        assert [type(r.images[0]) for r in checked] == [bytes, bytes, str, str]
+        a, b = VisionCollator(processor)(checked), VisionCollator(processor)(from_files)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_low_memory_loading_of_a_vision_language_model_is_refused_in_one_line(tmp_path):

@@ -164,6 +164,22 @@ def _on_this_node_first(build_here: Callable[[], None], local_main: bool) -> Non
     _agree(error)
 
 
+def downloaded_hub_splits(sources: list[Source | None]) -> dict[Source, Dataset]:
+    """The hub splits among ``sources``, loaded; downloaded once per node (its first rank first, then the others
+    read the local copy); a failure to load one stops every rank with its one line."""
+    local_main = ranks().is_local_main
+    hub_splits: dict[Source, Dataset] = {}
+    if hub := [source for source in sources if source and source.hub]:
+
+        def download() -> None:
+            hub_splits.update({source: load_hub_split(*source.hub) for source in hub})
+
+        _on_this_node_first(download, local_main)
+        if not local_main:
+            download()
+    return hub_splits
+
+
 def _print_report(report: dict, reused: Path | None) -> None:
     lines = []
     for split, part in report.items():
@@ -196,15 +212,7 @@ def load_data(recipe: RecipeArguments, tokenizer, training=None) -> tuple[Datase
             f"given ({held_out}); set eval_split: 0 or remove the eval file"
         )
     local_main = ranks().is_local_main
-    hub_splits: dict[Source, Dataset] = {}
-    if hub := [source for source in (train, held_out) if source and source.hub]:
-
-        def download() -> None:
-            hub_splits.update({source: load_hub_split(*source.hub) for source in hub})
-
-        _on_this_node_first(download, local_main)  # download once per node, then the others read the local copy
-        if not local_main:
-            download()
+    hub_splits = downloaded_hub_splits([train, held_out])
     target = cache_dir() / "data" / cache_key(recipe, tokenizer, [train, held_out], seed, hub_splits)
     reused = target if (target / "report.json").is_file() else None
 

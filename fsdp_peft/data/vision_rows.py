@@ -45,14 +45,24 @@ class VisionRow:
 def read_rows(path: Path) -> list[dict]:
     """The rows of a ``.jsonl`` (one JSON object a line), ``.json`` (a list of them) or ``.parquet`` file (as
     ``datasets`` writes one: an ``Image`` column holds ``{"bytes": ..., "path": ...}`` values)."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet  # lazy: only parquet data needs it
+    from fsdp_peft.data.sources import Source, read_source  # lazy: datasets and pandas; generate needs neither
 
-        return pyarrow.parquet.read_table(path).to_pylist()
-    text = path.read_text()
-    if path.suffix == ".json":
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [row for where, table in read_source(Source((path,))) for row in rows_of(table, where)]
+
+
+def rows_of(table, where: str) -> list[dict]:
+    """The rows of a table `fsdp_peft.data.sources.read_source` read (a file's, or a hub split's): JSON rows parsed,
+    and an ``Image`` column's values as stored (``{"bytes": ..., "path": ...}``), never decoded here."""
+    if "__json__" in table.column_names:
+        rows = []
+        for number, text in zip(table["__row__"], table["__json__"]):
+            try:
+                rows.append(json.loads(text))
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{where} row {number}: not valid JSON ({error.msg}); fix the row") from None
+        return rows
+    stored = table.with_format("arrow")[: len(table)].to_pylist()  # arrow: images as stored (bytes, path)
+    return [{key: value for key, value in row.items() if key != "__row__"} for row in stored]
 
 
 def image_parts(messages: list[dict]) -> int:
@@ -100,44 +110,57 @@ def _text_of(content) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
-def check_rows(rows: list[dict], source: Path, processor, max_seq_length: int, vision: bool) -> list[VisionRow]:
-    """``rows`` of ``source`` checked and rendered (see the module docstring); ``vision``: the model takes images."""
+def check_rows(
+    rows: list[dict], source, processor, max_seq_length: int, vision: bool, dropped: list[str] | None = None
+) -> list[VisionRow]:
+    """``rows`` of ``source`` (a data file's path, or a hub split's name) checked and rendered (see the module
+    docstring); ``vision``: the model takes images. A bad row raises its one line, or with a ``dropped`` list
+    (``skip_invalid_rows``) is left out and its line appended there."""
+    base = source.parent if isinstance(source, Path) else Path.cwd()  # where relative image paths start
     out = []
     for number, row in enumerate(rows, start=1):
-        where = f"{source} row {number}"
-        messages, images = row.get("messages"), row.get("images") or []
-        if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
-            raise ConfigError(f"{where}: needs messages ending with the assistant's answer (the chat format)")
-        parts = image_parts(messages)
-        if parts != len(images):
-            raise ConfigError(
-                f"{where}: {parts} image part(s) in messages but {len(images)} image(s); give one image per "
-                '{"type": "image"} part'
-            )
-        if images and not vision:
-            raise ConfigError(f"{where}: has images but the model takes text only; use a vision-language model")
-        references = tuple(_image_reference(value, source.parent, where) for value in images)
         try:
-            opened = [open_image(reference) for reference in references]
-        except OSError as error:
-            raise ConfigError(f"{where}: an image cannot be read ({error}); replace or remove it") from None
-        prompt = processor.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
-        text = processor.apply_chat_template(messages, tokenize=False)
-        if not text.startswith(prompt):
-            raise ConfigError(f"{where}: the chat template renders the prompt differently inside the whole row")
-        ids = _token_ids(processor, text, opened)
-        tokens = len(ids)
-        if tokens > max_seq_length:
-            raise ConfigError(
-                f"{where}: {tokens} tokens with its image tokens, over max_seq_length {max_seq_length}; raise "
-                "max_seq_length, or use smaller images"
-            )
-        answer = _text_of(messages[-1]["content"])
-        prompt_ids = _token_ids(processor, prompt, opened)
-        if ids[: len(prompt_ids)] != prompt_ids:  # the labels start where the prompt's tokens end
-            raise ConfigError(f"{where}: the tokenizer splits the prompt differently inside the whole row")
-        out.append(VisionRow(text, prompt, answer, references, tokens, len(prompt_ids), where))
+            out.append(_checked(row, f"{source} row {number}", base, processor, max_seq_length, vision))
+        except ConfigError as problem:
+            if dropped is None:
+                raise
+            dropped.append(str(problem))
     return out
+
+
+def _checked(row: dict, where: str, base: Path, processor, max_seq_length: int, vision: bool) -> VisionRow:
+    messages, images = row.get("messages"), row.get("images") or []
+    if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+        raise ConfigError(f"{where}: needs messages ending with the assistant's answer (the chat format)")
+    parts = image_parts(messages)
+    if parts != len(images):
+        raise ConfigError(
+            f"{where}: {parts} image part(s) in messages but {len(images)} image(s); give one image per "
+            '{"type": "image"} part'
+        )
+    if images and not vision:
+        raise ConfigError(f"{where}: has images but the model takes text only; use a vision-language model")
+    references = tuple(_image_reference(value, base, where) for value in images)
+    try:
+        opened = [open_image(reference) for reference in references]
+    except OSError as error:
+        raise ConfigError(f"{where}: an image cannot be read ({error}); replace or remove it") from None
+    prompt = processor.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    if not text.startswith(prompt):
+        raise ConfigError(f"{where}: the chat template renders the prompt differently inside the whole row")
+    ids = _token_ids(processor, text, opened)
+    tokens = len(ids)
+    if tokens > max_seq_length:
+        raise ConfigError(
+            f"{where}: {tokens} tokens with its image tokens, over max_seq_length {max_seq_length}; raise "
+            "max_seq_length, use smaller images, or set skip_invalid_rows: true to leave such rows out"
+        )
+    answer = _text_of(messages[-1]["content"])
+    prompt_ids = _token_ids(processor, prompt, opened)
+    if ids[: len(prompt_ids)] != prompt_ids:  # the labels start where the prompt's tokens end
+        raise ConfigError(f"{where}: the tokenizer splits the prompt differently inside the whole row")
+    return VisionRow(text, prompt, answer, references, tokens, len(prompt_ids), where)
 
 
 def _token_ids(processor, text: str, images: list) -> list[int]:
