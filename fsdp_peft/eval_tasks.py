@@ -198,7 +198,14 @@ def _first_line(error: BaseException) -> str:
 
 def _check_task(name: str, task: Task, limit: int | None, world_size: int, key: str) -> None:
     """What would otherwise fail mid-evaluation, after the weights loaded: no documents for a rank (the harness
-    raises on the empty rank), a document that does not render, generation settings `HarnessLM` cannot follow."""
+    raises on the empty rank), a document that does not render, generation settings `HarnessLM` cannot follow, and
+    a task with images or audio (`HarnessLM` reads text)."""
+    if getattr(task, "MULTIMODAL", False):
+        raise ConfigError(
+            f"{key}: {name} is a multimodal task (its documents carry images or audio); fsdp-peft eval runs text "
+            "tasks only, on vision-language models too: score images with the recipe's held-out answers "
+            "(docs/vision.md)"
+        )
     try:
         docs = task.eval_docs
         count = len(docs)

@@ -563,7 +563,7 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         bytes_per_value = DTYPE_BYTES[recipe.torch_dtype]
         saved = plan.counts.linear_weight_bytes * (1 - 0.5 * 1.016 / bytes_per_value)
         found.append({"switch": "load_in_4bit: true (QLoRA recipe)", "saves": int(saved)})
-    if not low_memory and plan.world_size > 1:
+    if not low_memory and plan.world_size > 1 and not is_vision_config(model_config):  # refused for VLMs
         saved = full_model_bytes * (plan.world_size - 1)
         found.append(
             {"switch": "fsdp_cpu_ram_efficient_loading: true (host RAM while loading)", "saves": saved, "host": True}

@@ -49,7 +49,7 @@ from fsdp_peft.moe import (
     moe_keys_need_a_mixture_of_experts,
     moe_targets_reach_the_experts,
 )
-from fsdp_peft.paths import checkpoint_quantization, local_model_config, resolve_model_path
+from fsdp_peft.paths import checkpoint_quantization, known_model_config, local_model_config, resolve_model_path
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.tiny import TINY_DATASET_NAME
@@ -203,7 +203,6 @@ TEXT_ONLY_KEYS = (
     ("dataset_columns", None),
     ("completion_only_loss", True),
     ("use_chat_template", True),
-    ("skip_invalid_rows", False),
     ("new_special_tokens", []),
     ("sequence_parallel_size", 1),
     ("eval_tasks", []),
@@ -214,8 +213,8 @@ def _vision_keys_fit_the_model(context: RuleContext) -> str | None:
     """A vision-language model trains through its SFT procedure with the keys it has (docs/vision.md); the vision
     keys need one."""
     recipe = context.recipe
-    try:
-        config = local_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
+    try:  # a shipped config's hub model: its published config, so that a login node checks it before any download
+        config = known_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     except (OSError, ValueError):
         return None  # not here yet, or refused by `_model_config_is_a_causal_lm`
     name = recipe.model_name_or_path

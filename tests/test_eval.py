@@ -307,6 +307,15 @@ test_split: test
 doc_to_text: "{{prompt}}"
 doc_to_target: "{{completion}}"
 """
+IMAGE_TASK = """task: image_task
+dataset_path: json
+dataset_kwargs: {data_files: {test: IMAGES}}
+output_type: generate_until
+test_split: test
+doc_to_text: "What color is this?"
+doc_to_image: [image]
+doc_to_target: "{{color}}"
+"""
 REFUSALS = {  # arguments after SOURCE, the error line's start
     "unknown task": (
         ["--tasks", "tiny_revers_em"],
@@ -322,6 +331,11 @@ REFUSALS = {  # arguments after SOURCE, the error line's start
         ["--tasks", "local_task", "--include-path", "{tasks}"],
         "--tasks: local_task: its dataset json could not be loaded (FileNotFoundError: Unable to find "
         "'/nonexistent/fsdp-peft/rows.jsonl')",
+    ),
+    "image task": (
+        ["--tasks", "image_task", "--include-path", "{tasks}"],
+        "--tasks: image_task is a multimodal task (its documents carry images or audio); fsdp-peft eval runs text "
+        "tasks only, on vision-language models too",
     ),
     "broken task yaml": (
         ["--tasks", "tiny_reverse_em", "--include-path", "{broken}"],
@@ -362,6 +376,11 @@ def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "hub.yaml").write_text(HUB_TASK)
     (tmp_path / "tasks" / "local.yaml").write_text(MISSING_FILE_TASK)
+    if case == "image task":  # its documents load (a progress bar on stderr), then the check refuses the task
+        monkeypatch.setattr(sys.modules["datasets.utils.tqdm"], "_hf_datasets_progress_bars_disabled", True)
+    images = tmp_path / "tasks" / "images.jsonl"
+    images.write_text('{"image": "a.png", "color": "red"}\n{"image": "b.png", "color": "blue"}\n')
+    (tmp_path / "tasks" / "image.yaml").write_text(IMAGE_TASK.replace("IMAGES", str(images)))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "bad.yaml").write_text("task: bad\n  output_type: [loglikelihood\n")
     (tmp_path / "source").mkdir()

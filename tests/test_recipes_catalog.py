@@ -28,8 +28,11 @@ RECIPE_CONFIGS = sorted(
     p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "accelerate" and not p.name.startswith("tpu_")
 )
 REAL_CONFIGS = [p for p in RECIPE_CONFIGS if p.name != "tiny.yaml"]
-# DPO: tests/test_preference.py; GRPO: tests/test_grpo.py
-SFT_REAL_CONFIGS = [p for p in REAL_CONFIGS if not p.parent.name.endswith(("_dpo", "_grpo"))]
+# DPO: tests/test_preference.py; GRPO: tests/test_grpo.py; vision-language SFT: its own test below
+VISION_REAL_CONFIGS = [p for p in REAL_CONFIGS if "_vl_" in p.parent.name]
+SFT_REAL_CONFIGS = [
+    p for p in REAL_CONFIGS if not p.parent.name.endswith(("_dpo", "_grpo")) and "_vl_" not in p.parent.name
+]
 GPU_ACCELERATE_CONFIGS = ["fsdp2.yaml", "fsdp2_offload.yaml", "fsdp1.yaml"]
 MOE_RECIPES = ("qwen_moe_", "mixtral_")
 ROW_TOKENS = 24  # every tiny-reverse row: bos, <|user|>, "reverse: abcde", eos, <|assistant|>, 5 letters, eos
@@ -39,6 +42,8 @@ REQUIRED_REAL = {
     "llama_lora/llama3_1_8b.yaml": "2 x 80 GB",
     "qwen_qlora/qwen2_5_7b.yaml": "2 x 24 GB",
     "mistral_qlora/mistral_7b.yaml": "2 x 24 GB",
+    "qwen_vl_qlora/qwen2_5_vl_7b.yaml": "2 x 24 GB",
+    "gemma3_vl_qlora/gemma3_12b.yaml": "2 x 24 GB",
 }
 
 
@@ -131,6 +136,11 @@ def test_real_configs_pass_the_fsdp_rules_of_the_gpu_accelerate_configs(accelera
             with pytest.raises(SystemExit):  # LoRA on expert parameters needs FSDP2 (docs/moe.md)
                 cli.main(command)
             assert "FSDP1 cannot run LoRA on expert parameters" in capsys.readouterr().err
+            continue
+        if "_vl_" in config.parent.name and accelerate_config == "fsdp1.yaml":
+            with pytest.raises(SystemExit):  # the vision tower runs before the embeddings' unit (docs/vision.md)
+                cli.main(command)
+            assert "is a vision-language model; under FSDP1" in capsys.readouterr().err
             continue
         if read_yaml_config(config).get("sequence_parallel_size", 1) > 1 and accelerate_config == "fsdp1.yaml":
             with pytest.raises(SystemExit):  # the split shards over its mesh with FSDP2 (docs/long-context.md)
@@ -246,9 +256,10 @@ def test_real_configs_name_a_public_dataset_in_the_format_they_set():
 
 
 def _tiny_for(config: Path) -> str:
-    model_types = {"meta-llama": "llama", "mistralai": "mistral", "Qwen/Qwen2.5": "qwen2", "Qwen/Qwen3": "qwen3"}
+    model_types = {"meta-llama": "llama", "mistralai": "mistral", "Qwen/Qwen2.5": "qwen2", "Qwen/Qwen3": "qwen3",
+                   "Qwen/Qwen2.5-VL": "qwen2_5_vl", "google/gemma-3": "gemma3"}  # fmt: skip
     name = read_yaml_config(config)["model_name_or_path"]
-    model_type = next(t for prefix, t in model_types.items() if name.startswith(prefix))
+    model_type = model_types[max((p for p in model_types if name.startswith(p)), key=len)]
     return family_for(model_type).tiny_model
 
 
@@ -296,3 +307,37 @@ def test_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_pa
     q_proj = next(p for p in layout["parameters"] if p["name"].endswith("layers.0.self_attn.q_proj.base_layer.weight"))
     packed = [128 * 128 // 4, 1]  # 4-bit values, 4 to a bf16 storage element, in one column
     assert q_proj["shape"] == (packed if values.get("load_in_4bit") else [128, 128])
+
+
+def test_vision_real_configs_name_a_public_image_dataset_in_the_chat_format():
+    assert [_name(config) for config in VISION_REAL_CONFIGS] == [
+        "gemma3_vl_qlora/gemma3_12b.yaml",
+        "qwen_vl_qlora/qwen2_5_vl_7b.yaml",
+    ]
+    for config in VISION_REAL_CONFIGS:
+        values = read_yaml_config(config)
+        assert values["dataset"] == "HuggingFaceH4/llava-instruct-mix-vsft", config  # messages + images, as TRL's
+        assert values["load_in_4bit"] and values["activation_checkpointing"], config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", VISION_REAL_CONFIGS, ids=_name)
+def test_vision_real_config_trains_two_steps_with_its_familys_tiny_model(config, tmp_path):
+    """The real config's keys (activation checkpointing, accumulation, eval, skipping bad rows) on the tiny model of
+    its family and the embedded image task."""
+    recipe, values = config.parent.name, read_yaml_config(config)
+    tiny_name = _tiny_for(config)
+    launch_recipe(recipe, "--config", str(config), "--model_name_or_path", tiny_name, "--output_dir", str(tmp_path),
+                  "--max_steps", "2", "--logging_steps", "1", "--max_seq_length", "64", "--eval_steps", "2",
+                  "--generate_samples", "0", "--dataset", "tiny-colors")  # fmt: skip
+    results = read_json(tmp_path / "results.json")
+    assert (results["steps"], results["fsdp"]) == (2, True)
+    state = read_json(tmp_path / "trainer_state.json")["log_history"]
+    losses = [e["loss"] for e in state if "loss" in e]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert [e["step"] for e in state if "eval_loss" in e] == [2]
+    layout = read_json(tmp_path / "fsdp_layout.json")
+    layers = [u for u in layout["units"] if ".language_model.layers." in u]
+    assert layers == [f"base_model.model.model.language_model.layers.{i}" for i in range(len(layers))] and layers
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == values["lora_r"] and "language_model" in adapter["target_modules"]
