@@ -63,6 +63,15 @@ figures (peak memory next to the plan, tokens/s, losses finite):
 
 The dry run keeps to the QLoRA run (`MOE_DRY_RUNS`), 3 steps, on the embedded ``tiny-qwen3-moe``.
 
+Vision-language runs (``vlm``): ``recipes/qwen_vl_qlora.py`` then ``qwen_vl_lora.py``, each launched as users
+launch it (FSDP2, one rank), on Qwen2.5-VL 7B's shape with random weights (`models.vision_checkpoint_path`: its
+published config, the vision tower's 32 blocks included, 8.29B parameters) over the embedded colour task's rows with
+their images resized to 448x448 (256 image tokens; a quarter of the rows text only, so the blank-image path of
+`fsdp_peft.vision` runs too), 8 rows of up to 320 tokens a step, 6 steps, LoRA r=16 on the language model's
+projections, activation checkpointing: tokens/s over the whole training (first step included), peak GPU memory next
+to the plan, the parameter, gradient and optimizer bytes next to the plan's, losses finite. The dry run: the QLoRA
+run on the embedded tiny-qwen2.5-vl, 3 steps.
+
 4-bit kernels (``kernels``, first: seconds, one child process, `kernel_check`): bitsandbytes' CUDA kernels against
 ``tests/four_bit_reference.py``, a decoder of the 4-bit formats written from their definition (the oracle of the
 4-bit tests, which found bitsandbytes' CPU kernel wrong), every comparison made with the same packed bytes and quant
@@ -133,6 +142,12 @@ GRPO_RUNS = (("recipe", "lora"), ("recipe", "qlora"), ("unsharded", "lora"), ("s
 # differ from these only in one recipe key (generate_gather_budget: none) or the method.
 GRPO_DRY_RUNS = (("recipe", "qlora"), ("unsharded", "lora"))
 GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry run) the CPU
+# Vision-language runs (``vlm``): recipes/qwen_vl_qlora.py and qwen_vl_lora.py on Qwen2.5-VL 7B's shape (random weights,
+# `models.vision_checkpoint_path`) over the embedded colour task's rows, images resized to 448x448 (256 image tokens),
+# a quarter of the rows text only; the dry run: the embedded tiny-qwen2.5-vl, its 32x32 images (4 image tokens).
+VISION_SIZES = {"qwen2.5-vl-7b": {"batch": 8, "seq": 320, "steps": 6}, "tiny-vl": {"batch": 4, "seq": 64, "steps": 3}}
+VISION_RUNS = ("qlora", "lora")  # most important first
+VISION_DRY_RUNS = ("qlora",)  # CI's time: the LoRA run differs in load_in_4bit only
 RUN_MINIMUM_SECONDS = 30  # no run (nor checkpoint build) starts with less of the budget left
 # The 4-bit kernels against the reference decoder (``kernels``, first: seconds): last dimensions that are and are not
 # whole blocks of 64 (96, 160, 200 as the CPU kernel got them wrong; the real models' 768 to 14336), every block size.
@@ -624,8 +639,12 @@ def drive(args) -> None:
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    order = (args.shapes or ("kernels,tiny,grpo,moe" if args.dry_run else "kernels,1b,grpo,moe,8b")).split(",")
-    shapes = {"grpo": "tiny" if args.dry_run else args.grpo_shape, "moe": "tiny-moe" if args.dry_run else "moe"}
+    order = (args.shapes or ("kernels,tiny,grpo,moe,vlm" if args.dry_run else "kernels,1b,grpo,moe,vlm,8b")).split(",")
+    shapes = {
+        "grpo": "tiny" if args.dry_run else args.grpo_shape,
+        "moe": "tiny-moe" if args.dry_run else "moe",
+        "vlm": "tiny-vl" if args.dry_run else "qwen2.5-vl-7b",
+    }
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
     report = {
         **environment(),
@@ -662,6 +681,14 @@ def drive(args) -> None:
             "runs": [f"fsdp-peft {method}" for method in moe_runs],
             "expert_bytes_bound": EXPERT_BYTES_BOUND,
         }
+    vision_runs = VISION_DRY_RUNS if args.dry_run else VISION_RUNS
+    if "vlm" in order:
+        report["settings"]["vlm"] = {
+            "model": shapes["vlm"],
+            **VISION_SIZES[shapes["vlm"]],
+            "recipes": [f"qwen_vl_{method}" for method in vision_runs],
+            "launch": f"{GRPO_LAUNCH} --num_processes 1",
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for item in order:
         if item == "kernels":  # no model: its own random tensors
@@ -669,6 +696,9 @@ def drive(args) -> None:
             measured(entry, kernel_run, args, report, started)
             continue
         shape = shapes.get(item, item)
+        if item == "vlm":
+            vision_check(shape, vision_runs, device, gpu_memory, args, report, started)
+            continue
         path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
         if item == "grpo":
             for mode, method in grpo_runs:
@@ -693,6 +723,85 @@ def drive(args) -> None:
     report["seconds"] = time.monotonic() - started
     args.out.write_text(json.dumps(report, indent=1))
     print(f"written: {args.out}")
+
+
+def vision_check(shape: str, methods, device: str, gpu_memory: int, args, report: dict, started: float) -> None:
+    """The vision-language runs: each recipe launched (FSDP2, one rank) on ``shape``, its plan beside it."""
+    from models import vision_checkpoint_path
+
+    from fsdp_peft.paths import tiny_model_path
+
+    path = ""
+    if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
+        path = "tiny-qwen2.5-vl" if shape == "tiny-vl" else str(vision_checkpoint_path(shape, "bfloat16", device))
+        if shape == "tiny-vl":
+            tiny_model_path(path)
+    for method in methods:
+        entry: dict = {"model": shape, "method": method, "impl": "fsdp-peft vlm"}
+        if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
+            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_vlm_{method}_"))
+            config = vision_yaml(directory, path, method, VISION_SIZES[shape])
+            entry["planned"] = planned(config, gpu_memory)
+        measured(entry, lambda left: vision_run(method, config, left), args, report, started)
+
+
+def vision_yaml(directory: Path, model: str, method: str, size: dict) -> Path:
+    """The config of a vision-language run (also what the planner reads)."""
+    values = {
+        "model_name_or_path": model,
+        "torch_dtype": "bfloat16",
+        "load_in_4bit": method == "qlora",
+        "bnb_4bit_quant_storage": "bfloat16",
+        **LORA,
+        "lora_target_modules": ["auto"],  # the language model's projections (peft's all-linear would reach the tower)
+        "dataset": "tiny-colors",
+        "max_seq_length": size["seq"],
+        "generate_samples": 0,
+        "per_device_train_batch_size": size["batch"],
+        "activation_checkpointing": True,
+        "activation_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": True,
+        "max_steps": size["steps"],
+        "learning_rate": 1e-4,
+        "optim": "adamw_torch",
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "output_dir": str(directory / "out"),
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return write_yaml(directory / "vlm.yaml", values)
+
+
+def vision_run(method: str, config: Path, left: float) -> dict:
+    """recipes/qwen_vl_<method>.py launched on one rank; tokens/s over the whole training (its first step
+    included), peak GPU memory and the parameter, gradient and optimizer bytes from its memory.json."""
+    from grpo_rollouts import free_port
+
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", GRPO_LAUNCH, "--num_processes", "1"]
+    launcher += ["--main_process_port", str(free_port())]
+    command = [sys.executable, *launcher, f"recipes/qwen_vl_{method}.py", "--config", str(config)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=left)
+    if child.returncode != 0:
+        return {"failed": last_line(child.stderr)}
+    out = config.parent / "out"
+    results = json.loads((out / "results.json").read_text())
+    memory = json.loads((out / "memory.json").read_text())["ranks"][0]
+    losses = [e["loss"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    return {
+        "steps": results["steps"],
+        "tokens": results["tokens"],
+        "train_seconds": results["train_seconds"],
+        "tokens_per_second": results["tokens"] / results["train_seconds"],
+        "parameter_gradient_optimizer_bytes": memory.get("parameter_gradient_optimizer_bytes"),
+        "peak_gpu_allocated_bytes": memory.get("peak_gpu_allocated_bytes"),
+        "peak_gpu_reserved_bytes": memory.get("peak_gpu_reserved_bytes"),
+        "peak_rss_bytes": memory.get("peak_rss_bytes"),
+        "final_loss": losses[-1] if losses else None,
+        "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
+    }
 
 
 def budget_left(args, started: float) -> float:
@@ -898,7 +1007,8 @@ def main() -> None:
     parser.add_argument(
         "--shapes",
         help="what runs, in this order: kernels (4-bit kernels against the reference decoder), SFT model shapes, grpo"
-        " (the GRPO runs) and moe (the MoE runs); default kernels,1b,grpo,moe,8b (dry run: kernels,tiny,grpo,moe)",
+        " (the GRPO runs), moe (the MoE runs) and vlm (the vision-language runs); default kernels,1b,grpo,moe,vlm,8b"
+        " (dry run: kernels,tiny,grpo,moe,vlm)",
     )
     parser.add_argument("--grpo-shape", default="1b", choices=sorted(GRPO_SIZES), help="the GRPO runs' model shape")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first two are not timed)")

@@ -9,12 +9,17 @@ Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV heads, experts 768 wid
 64 experts and a 32k vocabulary: 2.70B parameters (2.42B in the experts); a token passes 0.52B of them
 (attention, 8 experts per layer, the head).
 ``checkpoint_path(name, dtype, device)``: any of them written as a checkpoint, with the same tokenizer.
+``vision_checkpoint_path(name, dtype, device)``: ``qwen2.5-vl-7b``, Qwen2.5-VL 7B's shape (its published config,
+shipped in ``fsdp_peft/hub_configs``: 8.29B parameters, the vision tower's 32 blocks included) with random weights
+and the embedded tiny Qwen2.5-VL's processor (its byte tokenizer; the image processor set to the shape's 14-pixel
+patches and to 448x448 images: 256 image tokens each).
 
     python benchmarks/models.py        # build the ~100M checkpoint and print its path
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -128,3 +133,51 @@ def llama_100m_path() -> Path:
 
 if __name__ == "__main__":
     print(llama_100m_path())
+
+
+VISION_SHAPES = {"qwen2.5-vl-7b": "Qwen--Qwen2.5-VL-7B-Instruct.json"}
+VISION_IMAGE_SIDE = 448  # pixels: (448 / 14)^2 patches, merged 2x2: 256 image tokens
+
+
+def vision_checkpoint_path(name: str, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+    """Checkpoint directory of vision-language shape ``name`` (random weights, seed 0), built on first use on
+    ``device``, with the tiny Qwen2.5-VL's processor and token ids."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    from fsdp_peft.atomic_publish import publish_directory
+    from fsdp_peft.paths import HUB_CONFIGS, resolve_model_path
+    from fsdp_peft.tiny_vision import load_processor
+
+    target = bench_cache() / f"qwen2-5-vl-{name}-{dtype}-seed{SEED}"
+    if (target / "config.json").is_file():
+        return target
+    processor = load_processor(resolve_model_path("tiny-qwen2.5-vl"))
+    tokenizer, pixels = processor.tokenizer, VISION_IMAGE_SIDE * VISION_IMAGE_SIDE
+    tokenizer.model_max_length = 4096  # the byte tokenizer says 256; rows here reach ~290 tokens
+    processor.image_processor.patch_size, processor.image_processor.merge_size = 14, 2
+    processor.image_processor.size = {"shortest_edge": pixels, "longest_edge": pixels}
+    values = json.loads((HUB_CONFIGS / VISION_SHAPES[name]).read_text())
+    ids = {
+        "image_token_id": tokenizer.image_token_id,
+        "video_token_id": tokenizer.video_token_id,
+        "vision_start_token_id": tokenizer.vision_start_token_id,
+        "vision_end_token_id": tokenizer.vision_end_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = AutoConfig.for_model(**{**values, **ids, "dtype": dtype})
+    torch.manual_seed(SEED)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = getattr(transformers, config.architectures[0])(config)
+    finally:
+        torch.set_default_dtype(default)
+    with publish_directory(target) as staging:
+        model.save_pretrained(staging, max_shard_size="5GB")
+        processor.save_pretrained(staging)
+    return target

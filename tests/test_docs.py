@@ -569,6 +569,15 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             assert sizes in outcome.stdout, outcome.stdout
     elif "benchmarks/gpu_check.sh" in command:
         assert "[gpu_check] results: " in output
+        root, written = re.search(r"\[gpu_check\] \S+ in (\S+)", output)[1], re.search(r"results: (\S+)", output)[1]
+        report = json.loads((Path(root) / written).read_text())
+        assert [f"{r['model']} {r['impl']}" for r in report["runs"] if "failed" in r] == [], report["runs"]
+        vision = next(r for r in report["runs"] if r["impl"] == "fsdp-peft vlm")
+        assert (
+            vision["losses_finite"]
+            and vision["parameter_gradient_optimizer_bytes"]
+            == (vision["planned"]["parameter_gradient_optimizer_bytes"])
+        )
     elif "benchmarks/eval_speed.py" in command:
         assert "same figures in every run (perplexity within 1e-5): True" in output
         assert "sharded / one process: median " in output
