@@ -27,6 +27,9 @@ class VisionLayout:
     projector: str  # vision features -> text embeddings; trained as a full copy with ``train_projector``
     language_model: str  # the decoder that LoRA adapts by default
     block: str  # the vision encoder's layer class: one FSDP unit each
+    # Its forward takes input_ids or inputs_embeds, not both (Qwen3-VL): a text-only forward that runs the tower on a
+    # blank image (`fsdp_peft.vision`) passes embeddings, with the 3D rotary positions the model would give its ids
+    positions_from_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,23 @@ FAMILIES = (
             projector="model.visual.merger",
             language_model="model.language_model",
             block="Qwen2_5_VLVisionBlock",
+        ),
+    ),
+    Family(
+        name="qwen3_vl",
+        model_types=("qwen3_vl",),
+        decoder_layer="Qwen3VLTextDecoderLayer",
+        lora_target_modules=ATTENTION_AND_MLP,
+        pad_tokens=("<|endoftext|>",),
+        chat_template_hint="use a Qwen3-VL -Instruct checkpoint (ChatML template with image parts)",
+        tiny_model="tiny-qwen3-vl",
+        tiny_architecture="Qwen3VLForConditionalGeneration",
+        vision=VisionLayout(
+            tower="model.visual",
+            projector="model.visual.merger",  # the deepstack mergers (model.visual.deepstack_merger_list) stay frozen
+            language_model="model.language_model",
+            block="Qwen3VLVisionBlock",
+            positions_from_ids=True,
         ),
     ),
     Family(

@@ -1,9 +1,10 @@
-"""The embedded vision-language defaults: a tiny Qwen2.5-VL and Gemma 3 with processors, and a colour task.
+"""The embedded vision-language defaults: a tiny Qwen2.5-VL, Qwen3-VL and Gemma 3 with processors, and a colour task.
 
-``tiny-qwen2.5-vl`` (``Qwen2_5_VLForConditionalGeneration``) and ``tiny-gemma3-vl``
-(``Gemma3ForConditionalGeneration``) have the text tiny models' sizes (width 128, 4 layers, 4/2 heads) and a
-2-layer vision tower of width 64 that turns a 32x32 image into 4 image tokens. Their tokenizer is the embedded
-byte tokenizer (`fsdp_peft.tiny`) plus the family's image special tokens; their chat templates render a
+``tiny-qwen2.5-vl`` (``Qwen2_5_VLForConditionalGeneration``), ``tiny-qwen3-vl`` (``Qwen3VLForConditionalGeneration``,
+its first vision block's features also added to the first decoder layer's image positions: Qwen3-VL's "deepstack")
+and ``tiny-gemma3-vl`` (``Gemma3ForConditionalGeneration``) have the text tiny models' sizes (width 128, 4 layers,
+4/2 heads) and a 2-layer vision tower of width 64 that turns a 32x32 image into 4 image tokens. Their tokenizer is
+the embedded byte tokenizer (`fsdp_peft.tiny`) plus the family's image special tokens; their chat templates render a
 ``{"type": "image"}`` content part as the family's image placeholder. Like the text tiny models they are built
 from a fixed seed into the cache on first use (`fsdp_peft.paths.tiny_model_path`) as ordinary Hugging Face
 checkpoints that reload with ``AutoModelForImageTextToText``; the processor reloads with `load_processor`.
@@ -28,8 +29,9 @@ import numpy as np
 import torch
 
 TINY_QWEN_VL_NAME = "tiny-qwen2.5-vl"
+TINY_QWEN3_VL_NAME = "tiny-qwen3-vl"
 TINY_GEMMA_VL_NAME = "tiny-gemma3-vl"
-TINY_VISION_MODEL_NAMES = (TINY_QWEN_VL_NAME, TINY_GEMMA_VL_NAME)
+TINY_VISION_MODEL_NAMES = (TINY_QWEN_VL_NAME, TINY_QWEN3_VL_NAME, TINY_GEMMA_VL_NAME)
 TINY_COLORS_NAME = "tiny-colors"
 COLORS_SEED = 21
 IMAGE_SIZE = 32  # pixels per side: 4x4 patches of 8 pixels, merged or pooled 2x2 into 4 image tokens
@@ -51,6 +53,12 @@ VISION_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 # The family's image special tokens, by the names the processors read (``tokenizer.image_token`` ...).
 IMAGE_TOKENS_OF = {
     TINY_QWEN_VL_NAME: {
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+    },
+    TINY_QWEN3_VL_NAME: {
         "vision_start_token": "<|vision_start|>",
         "vision_end_token": "<|vision_end|>",
         "image_token": "<|image_pad|>",
@@ -125,34 +133,54 @@ def build_tokenizer(name: str, text_tokenizer: Path):
     return tokenizer
 
 
+QWEN_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}  # by model_type
+
+
 @functools.cache
-def image_only_qwen_processor():
-    """Qwen2.5-VL's processor without its video processor, which needs torchvision (its ``__init__`` signature
-    decides what the processor saves and loads)."""
-    from transformers import Qwen2_5_VLProcessor  # lazy: see LAZY
+def image_only_qwen_processor(model_type: str = "qwen2_5_vl"):
+    """Qwen2.5-VL's or Qwen3-VL's processor without its video processor, which needs torchvision (its ``__init__``
+    signature decides what the processor saves and loads)."""
+    import transformers  # lazy: see LAZY
 
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    stock = getattr(transformers, QWEN_PROCESSORS[model_type])
 
-    return ImageOnlyQwen2_5_VLProcessor
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        stock.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(f"ImageOnly{stock.__name__}", (stock,), {"__init__": __init__, "__module__": __name__})
+
+
+def _qwen_processor(name: str, text_tokenizer: Path, model_type: str):
+    """The tokenizer and image-only processor of tiny Qwen VL model ``name``: every image resized to 32x32."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # lazy: see LAZY
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = build_tokenizer(name, text_tokenizer)
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels
+    )
+    processor = image_only_qwen_processor(model_type)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE
+    )
+    return tokenizer, processor
+
+
+def _qwen_token_ids(tokenizer) -> dict:
+    return {
+        "image_token_id": tokenizer.image_token_id,
+        "video_token_id": tokenizer.video_token_id,
+        "vision_start_token_id": tokenizer.vision_start_token_id,
+        "vision_end_token_id": tokenizer.vision_end_token_id,
+    }
 
 
 def build_qwen_vl(text_tokenizer: Path):
     """Tiny Qwen2.5-VL's config and processor."""
     from transformers import Qwen2_5_VLConfig  # lazy: see LAZY
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # lazy: see LAZY
-        Qwen2VLImageProcessorPil,
-    )
 
-    tokenizer = build_tokenizer(TINY_QWEN_VL_NAME, text_tokenizer)
-    pixels = IMAGE_SIZE * IMAGE_SIZE  # every image resized to 32x32
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels
-    )
-    processor = image_only_qwen_processor()(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE
-    )
+    tokenizer, processor = _qwen_processor(TINY_QWEN_VL_NAME, text_tokenizer, "qwen2_5_vl")
     config = Qwen2_5_VLConfig(
         text_config={
             **TEXT_SIZES,
@@ -174,12 +202,47 @@ def build_qwen_vl(text_tokenizer: Path):
             "out_hidden_size": TEXT_SIZES["hidden_size"],
             "fullatt_block_indexes": [1],
         },
-        image_token_id=tokenizer.image_token_id,
-        video_token_id=tokenizer.video_token_id,
-        vision_start_token_id=tokenizer.vision_start_token_id,
-        vision_end_token_id=tokenizer.vision_end_token_id,
+        **_qwen_token_ids(tokenizer),
         tie_word_embeddings=False,
         architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+    return config, processor
+
+
+def build_qwen3_vl(text_tokenizer: Path):
+    """Tiny Qwen3-VL's config and processor: the first vision block's features also enter the first decoder layer."""
+    from transformers import Qwen3VLConfig  # lazy: see LAZY
+
+    tokenizer, processor = _qwen_processor(TINY_QWEN3_VL_NAME, text_tokenizer, "qwen3_vl")
+    config = Qwen3VLConfig(
+        text_config={
+            **TEXT_SIZES,
+            "head_dim": TEXT_SIZES["hidden_size"] // TEXT_SIZES["num_attention_heads"],
+            "vocab_size": len(tokenizer),
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            **VISION_SIZES,
+            "depth": 2,
+            "patch_size": PATCH_SIZE,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": TEXT_SIZES["hidden_size"],
+            "deepstack_visual_indexes": [0],
+            "num_position_embeddings": (IMAGE_SIZE // PATCH_SIZE) ** 2,
+        },
+        **_qwen_token_ids(tokenizer),
+        tie_word_embeddings=False,
+        architectures=["Qwen3VLForConditionalGeneration"],
     )
     return config, processor
 
@@ -253,7 +316,11 @@ def write_tiny_vision_model(name: str, directory: Path, text_tokenizer: Path, se
     from safetensors.torch import save_file  # lazy: see LAZY
     from transformers import GenerationConfig  # lazy: see LAZY
 
-    builders = {TINY_QWEN_VL_NAME: build_qwen_vl, TINY_GEMMA_VL_NAME: build_gemma_vl}
+    builders = {
+        TINY_QWEN_VL_NAME: build_qwen_vl,
+        TINY_QWEN3_VL_NAME: build_qwen3_vl,
+        TINY_GEMMA_VL_NAME: build_gemma_vl,
+    }
     config, processor = builders[name](text_tokenizer)
     model = random_model(config, seed)
     state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
@@ -271,13 +338,14 @@ def write_tiny_vision_model(name: str, directory: Path, text_tokenizer: Path, se
 
 
 def load_processor(path):
-    """The processor saved at ``path``: the image-only Qwen2.5-VL processor for a Qwen2.5-VL checkpoint (the stock
-    one needs torchvision for videos), else ``AutoProcessor``'s."""
+    """The processor saved at ``path``: the image-only Qwen processor for a Qwen2.5-VL or Qwen3-VL checkpoint (the
+    stock one needs torchvision for videos), else ``AutoProcessor``'s."""
     from transformers import AutoProcessor  # lazy: see LAZY
 
     config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_5_vl":
-        return image_only_qwen_processor().from_pretrained(path)
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type in QWEN_PROCESSORS:
+        return image_only_qwen_processor(model_type).from_pretrained(path)
     return AutoProcessor.from_pretrained(path)
 
 

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from fsdp_peft.families import Family, VisionLayout
+from fsdp_peft.families import Family, VisionLayout, family_for
 
 ALL_LINEAR = "all-linear"
 
@@ -122,12 +122,18 @@ def vision_weights_kept(model: torch.nn.Module, layout: VisionLayout) -> int:
 def blank_image_inputs(config) -> dict:
     """Model inputs for one blank image at the smallest size the tower takes (what a processor would make of it)."""
     vision = config.vision_config
-    if config.model_type.startswith("qwen2"):
+    if _patches_merged(config):
         merge, patch, temporal = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
         channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
         grid = torch.tensor([[1, merge, merge]])
         return {"pixel_values": torch.zeros(merge * merge, channels * temporal * patch * patch), "image_grid_thw": grid}
     return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
+
+
+def _patches_merged(config) -> bool:
+    """Qwen's vision-language models (2.5 and 3): flattened patches with their grid, 3D rotary positions read from
+    the input ids; else (Gemma 3) whole images."""
+    return hasattr(config.vision_config, "spatial_merge_size")
 
 
 def _features(inner: torch.nn.Module, blank: dict, device: torch.device) -> torch.Tensor:
@@ -149,7 +155,8 @@ def vision_runs_on_every_rank(model: torch.nn.Module) -> None:
     if getattr(inner, "_vision_on_every_rank", False):
         return
     blank = blank_image_inputs(base.config)
-    keeps_ids = base.config.model_type.startswith("qwen2")  # Qwen reads input_ids for its 3D rotary positions
+    keeps_ids = _patches_merged(base.config)  # Qwen reads input_ids for its 3D rotary positions
+    positions_here = family_for(base.config.model_type).vision.positions_from_ids
     original = inner.forward
 
     def forward(self, *args, input_ids=None, pixel_values=None, inputs_embeds=None, **kwargs):
@@ -159,7 +166,13 @@ def vision_runs_on_every_rank(model: torch.nn.Module) -> None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
             features = _features(self, blank, input_ids.device)
             inputs_embeds = inputs_embeds + 0.0 * features.sum().to(inputs_embeds.dtype)
-            input_ids = input_ids if keeps_ids else None
+            if positions_here and kwargs.get("position_ids") is None:  # as the model computes them from the ids;
+                kwargs["position_ids"], self.rope_deltas = self.get_rope_index(  # its decoding steps add the deltas
+                    input_ids,
+                    mm_token_type_ids=torch.zeros_like(input_ids),  # text only
+                    attention_mask=kwargs.get("attention_mask"),
+                )
+            input_ids = input_ids if keeps_ids and not positions_here else None
         return original(*args, input_ids=input_ids, pixel_values=pixel_values, inputs_embeds=inputs_embeds, **kwargs)
 
     inner.forward = types.MethodType(forward, inner)

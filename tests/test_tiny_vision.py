@@ -16,6 +16,7 @@ from fsdp_peft.tiny_vision import COLORS, QUESTION, TINY_VISION_MODEL_NAMES, loa
 
 ARCHITECTURES = {
     "tiny-qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+    "tiny-qwen3-vl": "Qwen3VLForConditionalGeneration",
     "tiny-gemma3-vl": "Gemma3ForConditionalGeneration",
 }
 QUESTION_ROW = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
@@ -68,6 +69,10 @@ def test_a_tiny_vision_model_reloads_with_the_auto_class_and_its_processor(name)
             "tiny-qwen2.5-vl",
             "<|user|><|vision_start|><|image_pad|><|vision_end|>What color is this?<|end|><|assistant|>",
         ),
+        (
+            "tiny-qwen3-vl",
+            "<|user|><|vision_start|><|image_pad|><|vision_end|>What color is this?<|end|><|assistant|>",
+        ),
         ("tiny-gemma3-vl", "<|begin_of_text|><|user|><start_of_image>What color is this?<|end|><|assistant|>"),
     ],
 )
@@ -92,7 +97,7 @@ def test_one_image_becomes_four_image_tokens_and_its_colour_changes_the_logits(n
 
 def test_the_chat_templates_take_string_content_and_end_every_message_with_eos():
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Say red."}]
-    for name, begin in (("tiny-qwen2.5-vl", ""), ("tiny-gemma3-vl", "<|begin_of_text|>")):
+    for name, begin in (("tiny-qwen2.5-vl", ""), ("tiny-qwen3-vl", ""), ("tiny-gemma3-vl", "<|begin_of_text|>")):
         processor = load_processor(paths.resolve_model_path(name))
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert text == f"{begin}<|system|>be brief<|end|><|user|>Say red.<|end|><|assistant|>"
@@ -145,5 +150,5 @@ def test_the_colour_task_has_its_row_counts_a_quarter_text_only_and_disjoint_32p
 
 
 def test_an_unknown_embedded_model_name_lists_the_vision_models_too():
-    with pytest.raises(ValueError, match="tiny-llama.*tiny-qwen2.5-vl, tiny-gemma3-vl"):
+    with pytest.raises(ValueError, match="tiny-llama.*tiny-qwen2.5-vl, tiny-qwen3-vl, tiny-gemma3-vl"):
         paths.tiny_model_path("tiny-llava")

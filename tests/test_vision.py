@@ -42,11 +42,18 @@ QLORA_PER_RANK = 16
 # rows; lr 0.1 makes that rounding 1.3e-4 of the loss by step 3 on Gemma 3 (its inputs are scaled by sqrt(width))
 QLORA_SGD = ["--optim", "sgd", "--learning_rate", "0.05"]
 QLORA_EVAL_TOLERANCE = 5e-4  # the eval loss after those 5 steps (measured 2.0e-4 on Gemma 3)
-RECIPES = {"qwen": "tiny-qwen2.5-vl", "gemma3": "tiny-gemma3-vl"}
+RECIPES = {"qwen": "tiny-qwen2.5-vl", "qwen3": "tiny-qwen3-vl", "gemma3": "tiny-gemma3-vl"}
 CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
     "qwen-lora": ("qwen_vl_lora", SGD, 1e-5),
     "qwen-lora-projector": ("qwen_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
     "qwen-qlora": ("qwen_vl_qlora", QLORA_SGD, 1e-4),
+    # Qwen3-VL through the Qwen recipes (its deepstack mergers frozen; the merger trained as the projector)
+    "qwen3-lora-projector": (
+        "qwen_vl_lora",
+        [*SGD, "--train_projector", "true", "--model_name_or_path", "tiny-qwen3-vl"],
+        1e-5,
+    ),  # fmt: skip
+    "qwen3-qlora": ("qwen_vl_qlora", [*QLORA_SGD, "--model_name_or_path", "tiny-qwen3-vl"], 1e-4),
     "gemma3-lora": ("gemma3_vl_lora", SGD, 1e-5),
     "gemma3-lora-projector": ("gemma3_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
     "gemma3-qlora": ("gemma3_vl_qlora", QLORA_SGD, 1e-4),
