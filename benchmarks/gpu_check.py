@@ -132,6 +132,7 @@ MOE_LORA = {**LORA, "lora_dropout": 0.0, "lora_target_modules": ["auto"], "lora_
 MOE_RUNS = ("qlora", "lora")  # most important first: the experts quantized by fsdp_peft.moe_quantization
 # The dry run (CI) keeps to the QLoRA run (~20 s on 2 cores): the bf16 run differs from it only in load_in_4bit.
 MOE_DRY_RUNS = ("qlora",)
+SFT_DRY_RUNS = ("qlora",)  # the dry run's SFT pair (fsdp-peft and plain): the LoRA pair differs in load_in_4bit only
 EXPERT_BYTES_BOUND = 0.3  # 4-bit experts: at most this share of their bf16 bytes (0.258 expected)
 GRPO_SIZES = {  # GRPO model shape: completions per step, tokens per completion, steps (the first one untimed)
     "1b": {"completions": 64, "completion_tokens": 128, "steps": 4},
@@ -231,12 +232,20 @@ def grpo_yaml(directory: Path, model: str, method: str, batch: int, completion_t
         "beta": 0.0,
         "generate_samples": 0,
         "per_device_train_batch_size": batch,
+        **recipe_training(directory, steps, learning_rate=1e-5),
+        "lr_scheduler_type": "constant",
+    }
+    return write_yaml(directory / "grpo.yaml", values)
+
+
+def recipe_training(directory: Path, steps: int, learning_rate: float) -> dict:
+    """The training keys the GRPO and vision-language runs share: bf16, activation checkpointing, AdamW, no saves."""
+    return {
         "activation_checkpointing": True,
         "activation_checkpointing_kwargs": {"use_reentrant": False},
         "bf16": True,
         "max_steps": steps,
-        "learning_rate": 1e-5,
-        "lr_scheduler_type": "constant",
+        "learning_rate": learning_rate,
         "optim": "adamw_torch",
         "logging_steps": 1,
         "report_to": "none",
@@ -245,7 +254,6 @@ def grpo_yaml(directory: Path, model: str, method: str, batch: int, completion_t
         "disable_tqdm": True,
         "seed": 0,
     }
-    return write_yaml(directory / "grpo.yaml", values)
 
 
 def random_rows(vocab: int, rows: int, seq: int):
@@ -708,7 +716,7 @@ def drive(args) -> None:
             args.out.write_text(json.dumps(report, indent=1))
             continue
         moe = item == "moe"  # fsdp-peft only: plain Trainer + peft cannot quantize the experts
-        for method in moe_runs if moe else ("lora", "qlora"):
+        for method in moe_runs if moe else SFT_DRY_RUNS if args.dry_run else ("lora", "qlora"):
             if budget_left(args, started) < RUN_MINIMUM_SECONDS:
                 plan = config = directory = None  # measured() records the runs as skipped
             else:
@@ -758,18 +766,7 @@ def vision_yaml(directory: Path, model: str, method: str, size: dict) -> Path:
         "max_seq_length": size["seq"],
         "generate_samples": 0,
         "per_device_train_batch_size": size["batch"],
-        "activation_checkpointing": True,
-        "activation_checkpointing_kwargs": {"use_reentrant": False},
-        "bf16": True,
-        "max_steps": size["steps"],
-        "learning_rate": 1e-4,
-        "optim": "adamw_torch",
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "output_dir": str(directory / "out"),
-        "disable_tqdm": True,
-        "seed": 0,
+        **recipe_training(directory, size["steps"], learning_rate=1e-4),
     }
     return write_yaml(directory / "vlm.yaml", values)
 

@@ -100,11 +100,8 @@ def shape_config(name: str):
 def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> Path:
     """Checkpoint directory of shape ``name`` (random weights, seed 0), built on first use on ``device``
     (initialising 8B parameters is minutes on a CPU, seconds on a GPU)."""
-    import torch
-    import transformers
     from transformers import AutoTokenizer
 
-    from fsdp_peft.atomic_publish import publish_directory
     from fsdp_peft.tiny import TINY_MODEL_ASSETS
 
     config = shape_config(name)
@@ -112,6 +109,18 @@ def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> P
     if (target / "config.json").is_file():
         return target
     config.dtype = dtype
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS)
+    return write_random_checkpoint(config, dtype, device, target, tokenizer, "2GB")
+
+
+def write_random_checkpoint(config, dtype: str, device: str, target: Path, processor, max_shard_size: str) -> Path:
+    """The model of ``config`` with random weights (seed `SEED`) initialised in ``dtype`` on ``device``, written with
+    ``processor`` (a tokenizer or processor) into ``target`` whole or not at all."""
+    import torch
+    import transformers
+
+    from fsdp_peft.atomic_publish import publish_directory
+
     torch.manual_seed(SEED)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
@@ -121,8 +130,8 @@ def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> P
     finally:
         torch.set_default_dtype(default)
     with publish_directory(target) as staging:
-        model.save_pretrained(staging, max_shard_size="2GB")
-        AutoTokenizer.from_pretrained(TINY_MODEL_ASSETS).save_pretrained(staging)
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        processor.save_pretrained(staging)
     return target
 
 
@@ -142,11 +151,8 @@ VISION_IMAGE_SIDE = 448  # pixels: (448 / 14)^2 patches, merged 2x2: 256 image t
 def vision_checkpoint_path(name: str, dtype: str = "bfloat16", device: str = "cpu") -> Path:
     """Checkpoint directory of vision-language shape ``name`` (random weights, seed 0), built on first use on
     ``device``, with the tiny Qwen2.5-VL's processor and token ids."""
-    import torch
-    import transformers
     from transformers import AutoConfig
 
-    from fsdp_peft.atomic_publish import publish_directory
     from fsdp_peft.paths import HUB_CONFIGS, resolve_model_path
     from fsdp_peft.tiny_vision import load_processor
 
@@ -169,15 +175,4 @@ def vision_checkpoint_path(name: str, dtype: str = "bfloat16", device: str = "cp
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = AutoConfig.for_model(**{**values, **ids, "dtype": dtype})
-    torch.manual_seed(SEED)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = getattr(transformers, config.architectures[0])(config)
-    finally:
-        torch.set_default_dtype(default)
-    with publish_directory(target) as staging:
-        model.save_pretrained(staging, max_shard_size="5GB")
-        processor.save_pretrained(staging)
-    return target
+    return write_random_checkpoint(config, dtype, device, target, processor, "5GB")

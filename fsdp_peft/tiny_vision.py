@@ -176,32 +176,43 @@ def _qwen_token_ids(tokenizer) -> dict:
     }
 
 
+def _qwen_text_config(tokenizer, head_dim: int | None = None, mrope_interleaved: bool = False) -> dict:
+    """A tiny Qwen VL model's language model: the text tiny models' sizes, 3D rotary sections (time, height, width)
+    that sum to half the head's width, an untied head."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    return {
+        **TEXT_SIZES,
+        **({"head_dim": head_dim} if head_dim else {}),
+        "vocab_size": len(tokenizer),
+        "rope_parameters": {**rope, **({"mrope_interleaved": True} if mrope_interleaved else {})},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+
+
+def _qwen_vision_config(**family) -> dict:
+    """A tiny Qwen VL model's vision tower: 2 blocks, 8-pixel patches merged 2x2, then the family's own keys."""
+    return {
+        **VISION_SIZES,
+        "depth": 2,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": TEXT_SIZES["hidden_size"],
+        **family,
+    }
+
+
 def build_qwen_vl(text_tokenizer: Path):
     """Tiny Qwen2.5-VL's config and processor."""
     from transformers import Qwen2_5_VLConfig  # lazy: see LAZY
 
     tokenizer, processor = _qwen_processor(TINY_QWEN_VL_NAME, text_tokenizer, "qwen2_5_vl")
     config = Qwen2_5_VLConfig(
-        text_config={
-            **TEXT_SIZES,
-            "vocab_size": len(tokenizer),
-            # the rotary sections (time, height, width) sum to half the head's width
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            "tie_word_embeddings": False,
-        },
-        vision_config={
-            **VISION_SIZES,
-            "depth": 2,
-            "patch_size": PATCH_SIZE,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 64,
-            "out_hidden_size": TEXT_SIZES["hidden_size"],
-            "fullatt_block_indexes": [1],
-        },
+        text_config=_qwen_text_config(tokenizer),
+        vision_config=_qwen_vision_config(window_size=64, fullatt_block_indexes=[1]),
         **_qwen_token_ids(tokenizer),
         tie_word_embeddings=False,
         architectures=["Qwen2_5_VLForConditionalGeneration"],
@@ -215,31 +226,12 @@ def build_qwen3_vl(text_tokenizer: Path):
 
     tokenizer, processor = _qwen_processor(TINY_QWEN3_VL_NAME, text_tokenizer, "qwen3_vl")
     config = Qwen3VLConfig(
-        text_config={
-            **TEXT_SIZES,
-            "head_dim": TEXT_SIZES["hidden_size"] // TEXT_SIZES["num_attention_heads"],
-            "vocab_size": len(tokenizer),
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 6, 6],
-                "mrope_interleaved": True,
-            },
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            "tie_word_embeddings": False,
-        },
-        vision_config={
-            **VISION_SIZES,
-            "depth": 2,
-            "patch_size": PATCH_SIZE,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": TEXT_SIZES["hidden_size"],
-            "deepstack_visual_indexes": [0],
-            "num_position_embeddings": (IMAGE_SIZE // PATCH_SIZE) ** 2,
-        },
+        text_config=_qwen_text_config(
+            tokenizer, head_dim=TEXT_SIZES["hidden_size"] // TEXT_SIZES["num_attention_heads"], mrope_interleaved=True
+        ),
+        vision_config=_qwen_vision_config(
+            deepstack_visual_indexes=[0], num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2
+        ),
         **_qwen_token_ids(tokenizer),
         tie_word_embeddings=False,
         architectures=["Qwen3VLForConditionalGeneration"],

@@ -53,7 +53,6 @@ CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
         [*SGD, "--train_projector", "true", "--model_name_or_path", "tiny-qwen3-vl"],
         1e-5,
     ),  # fmt: skip
-    "qwen3-qlora": ("qwen_vl_qlora", [*QLORA_SGD, "--model_name_or_path", "tiny-qwen3-vl"], 1e-4),
     "gemma3-lora": ("gemma3_vl_lora", SGD, 1e-5),
     "gemma3-lora-projector": ("gemma3_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
     "gemma3-qlora": ("gemma3_vl_qlora", QLORA_SGD, 1e-4),
