@@ -106,6 +106,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -774,12 +775,12 @@ def vision_yaml(directory: Path, model: str, method: str, size: dict) -> Path:
 def vision_run(method: str, config: Path, left: float) -> dict:
     """recipes/qwen_vl_<method>.py launched on one rank; tokens/s over the whole training (its first step
     included), peak GPU memory and the parameter, gradient and optimizer bytes from its memory.json."""
-    from grpo_rollouts import free_port
+    from grpo_rollouts import child_env, free_port
 
     launcher = ["-m", "accelerate.commands.launch", "--config_file", GRPO_LAUNCH, "--num_processes", "1"]
     launcher += ["--main_process_port", str(free_port())]
     command = [sys.executable, *launcher, f"recipes/qwen_vl_{method}.py", "--config", str(config)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    env = child_env(TOKENIZERS_PARALLELISM="false")
     child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=left)
     if child.returncode != 0:
         return {"failed": last_line(child.stderr)}
@@ -830,7 +831,11 @@ def measured(entry: dict, run, args, report: dict, started: float) -> None:
 
 
 def last_line(stderr: str) -> str:
-    return (stderr.strip().splitlines() or ["no output"])[-1][:500]
+    """Why a child run failed: its last error line (a launcher's report follows it), else its last line."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    ours = [line for line in lines if line.startswith("error: ")]  # fsdp-peft's one-line refusals
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line]
+    return (ours or raised or lines)[-1][:500]
 
 
 def sft_run(impl: str, config: Path, directory: Path, left: float) -> dict:

@@ -144,7 +144,7 @@ def run(
         launcher = ["-m", "accelerate.commands.launch", "--config_file", accelerate_config]
         launcher += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
         command = [sys.executable, *launcher, *script, *overrides]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
     if finished.returncode != 0:
         raise RunFailed(f"{mode} run failed:\n{finished.stderr[-4000:]}")
@@ -163,6 +163,13 @@ def rollout_figures(record: dict) -> dict:
         "tokens_per_call": tokens,
         "tokens_per_second": tokens / seconds,
     }
+
+
+def child_env(**values: str) -> dict:
+    """The environment of a child run: this one, the repository first on PYTHONPATH (what was there stays after it:
+    packages installed to a --target directory, say), and ``values``."""
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, **values}
 
 
 def free_port() -> int:

@@ -38,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from grpo_rollouts import child_env  # noqa: E402  (benchmarks/ is on sys.path: this script's own folder)
+
 MODEL = dict(
     vocab_size=32000,
     hidden_size=256,
@@ -169,7 +171,7 @@ def main() -> None:
     }
     results = []
     for world, command in launches.items():
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = child_env(OMP_NUM_THREADS="1")
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode:
             sys.exit(f"world size {world} failed:\n{done.stderr[-4000:]}")

@@ -300,7 +300,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "fsdp_peft.generation (gather budget)",
         "the per-group reshard settings generation saves and restores",
         "FSDP2 exposes per-unit gathered size and reshard settings",
-        mentions=("_fsdp_param_groups", "_auto_reshard_after_forward"),
+        mentions=("_fsdp_param_group", "_auto_reshard_after_forward"),  # torch 2.13: _fsdp_param_groups
     ),
     Upstream(
         "transformers.trainer:Trainer._load_from_checkpoint",
@@ -512,6 +512,14 @@ def _checked() -> bool:
     if problems:
         raise CompatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return True
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP2 unit's parameter groups: torch 2.13 keeps a list (``_fsdp_param_groups``), torch 2.11 (what the GPU
+    images this was checked on ship) one group or None (``_fsdp_param_group``)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [group] if (group := state._fsdp_param_group) is not None else []
 
 
 def check_upstream() -> None:

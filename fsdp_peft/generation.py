@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
+from fsdp_peft._compat import fsdp_param_groups
 from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.distributed import gathered_from_every_rank
@@ -88,7 +89,7 @@ def gathered_bytes(unit: torch.nn.Module) -> int:
     param_dtype = state._mp_policy.param_dtype
     return sum(
         p.sharded_param.numel() * (param_dtype or p.sharded_param.dtype).itemsize
-        for group in state._fsdp_param_groups
+        for group in fsdp_param_groups(state)
         for p in group.fsdp_params
     )
 
@@ -133,13 +134,13 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None) -> Iterator[
 def _reshard_setting(unit) -> tuple:
     # FSDP2 keeps reshard-after-forward as per-group mesh info; the root also has an "auto" flag.
     state = unit._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_param_groups(state)]
 
 
 def _restore_reshard_setting(unit, setting: tuple) -> None:
     state = unit._get_fsdp_state()
     state._auto_reshard_after_forward, infos = setting
-    for group, info in zip(state._fsdp_param_groups, infos):
+    for group, info in zip(fsdp_param_groups(state), infos):
         group.post_forward_mesh_info = info
 
 
