@@ -96,9 +96,14 @@ class MemoryReport(TrainerCallback):
 
     def __init__(self):
         self.figures: dict = {}
+        self.loading_reserved = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.figures["peak_rss_after_loading_bytes"] = peak_rss_bytes()
+        if torch.cuda.is_available():  # loading and sharding apart from training: the peak restarts here
+            self.figures["peak_gpu_allocated_loading_bytes"] = torch.cuda.max_memory_allocated()
+            self.loading_reserved = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if "parameter_bytes" in self.figures:
@@ -117,9 +122,12 @@ class MemoryReport(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         mine = {**self.figures, "rank": args.process_index, "peak_rss_bytes": peak_rss_bytes()}
-        if torch.cuda.is_available():
-            mine["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            mine["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        if torch.cuda.is_available():  # training's peak, and the whole run's (loading's, where higher)
+            mine["peak_gpu_allocated_training_bytes"] = torch.cuda.max_memory_allocated()
+            mine["peak_gpu_allocated_bytes"] = max(
+                mine["peak_gpu_allocated_training_bytes"], self.figures.get("peak_gpu_allocated_loading_bytes", 0)
+            )
+            mine["peak_gpu_reserved_bytes"] = max(torch.cuda.max_memory_reserved(), self.loading_reserved)
         ranks = gathered_from_every_rank(mine)
         if not state.is_world_process_zero:
             return
