@@ -144,6 +144,17 @@ UPSTREAM: tuple[Upstream, ...] = (
         "accelerate's cpu_ram_efficient_loading supports bitsandbytes 4-bit (accelerate PR #3987)",
     ),
     Upstream(
+        "accelerate.utils.fsdp_utils:fsdp2_prepare_model",
+        ("accelerator", "model"),
+        "fsdp_peft._compat.originals_released_while_sharding",
+        "its state dict of the unsharded model, read only by low-memory loading, holds every weight while FSDP2 shards",
+        "accelerate takes that state dict in its low-memory branch only",
+        mentions=(
+            "original_sd = model.state_dict()",
+            "if fsdp2_plugin.cpu_ram_efficient_loading and not model_has_params4bit",
+        ),
+    ),
+    Upstream(
         "peft.tuners.tuners_utils:BaseTunerLayer._move_adapter_to_device_of_base_layer",
         ("self", "adapter_name", "device"),
         "fsdp_peft._compat.adapters_created_off_meta",
@@ -734,6 +745,36 @@ def fsdp2_prepare_model_replaced(replacement: Callable[[Callable], Callable]):
         yield
     finally:
         accelerate_module.fsdp2_prepare_model = original
+
+
+@patch("accelerate")
+@contextlib.contextmanager
+def originals_released_while_sharding():
+    """Meanwhile accelerate's FSDP2 preparation frees each unit's unsharded weights as ``fully_shard`` replaces them.
+
+    Why: accelerate takes ``model.state_dict()`` before sharding and holds it until it returns, though only its
+    low-memory branch (``cpu_ram_efficient_loading`` without 4-bit weights) reads it: every unsharded weight stays
+    allocated beside the new shards, so each rank peaks at its whole model plus its shards (one H200, 2026-12-04:
+    twice the weights on one rank). The state dict is empty here unless that branch will read it.
+    Remove when: accelerate takes the state dict in its low-memory branch only.
+    """
+
+    def releasing(original):
+        def prepare(accelerator, model):
+            plugin = accelerator.state.fsdp_plugin
+            four_bit = any(type(p).__name__ == "Params4bit" for p in model.parameters())
+            if plugin.cpu_ram_efficient_loading and not four_bit:  # accelerate's low-memory branch reads it
+                return original(accelerator, model)
+            model.state_dict = lambda *args, **kwargs: {}  # an instance attribute over the method, this call only
+            try:
+                return original(accelerator, model)
+            finally:
+                del model.state_dict
+
+        return prepare
+
+    with fsdp2_prepare_model_replaced(releasing):
+        yield
 
 
 @patch("peft")

@@ -99,10 +99,16 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
     longest_sequence: int | None = None  # SFT: the longest max_seq_length that fits, all else as planned
+    gpu_loading: int = 0  # ordinary loading: each GPU holds the whole model before FSDP shards it (`loading_bytes`)
 
     @property
     def gpu_total(self) -> int:
         return sum(self.gpu.values())
+
+    @property
+    def gpu_peak(self) -> int:
+        """The most a GPU holds: while training, or while loading where that is more."""
+        return max(self.gpu_total, self.gpu_loading)
 
     @property
     def parameter_gradient_optimizer_bytes(self) -> int:
@@ -111,12 +117,13 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu_total <= self.gpu_memory_bytes
+        return self.gpu_peak <= self.gpu_memory_bytes
 
     def to_json(self) -> dict:
         values = asdict(self)
         values.update(
             gpu_total=self.gpu_total,
+            gpu_peak=self.gpu_peak,
             fits=self.fits,
             parameter_gradient_optimizer_bytes=self.parameter_gradient_optimizer_bytes,
             verdict=verdict(self),
@@ -515,6 +522,9 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         "loading: checkpoint copies (est.)": full_model_bytes * (1 if low_memory else ranks_per_node),
         "offloaded shards": sum(resident.values()) * ranks_per_node if offload else 0,
     }
+    if not low_memory and xla is None:
+        whole = count_model(peft_model, recipe, 1, mixed, gather_bytes, version, head_in_root=trl_trainer)
+        plan.gpu_loading = loading_bytes(whole, counts, recipe, shard_over)
     if counts.expert_parameters and recipe.load_in_4bit and not low_memory:
         loaded = counts.expert_parameters * DTYPE_BYTES[recipe.torch_dtype]
         plan.notes.append(
@@ -525,6 +535,19 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     if procedure == SFT and xla is None:
         plan.longest_sequence = longest_sequence(plan, model_config, recipe, per_rank, compute_bytes, chunk_tokens)
     return plan
+
+
+def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -> int:
+    """A GPU's peak while ordinary loading: the whole model as loaded (4-bit weights packed; a MoE's experts in
+    ``torch_dtype``, quantized after loading), its adapters and quantization constants, the largest unit's shard
+    being made, and the CUDA context. FSDP2 frees each unit's weights as it shards it
+    (`fsdp_peft._compat.originals_released_while_sharding`; accelerate alone held them all: twice the weights on one
+    H200, 2026-12-04). Low-memory loading puts only shards on a GPU."""
+    base = whole.base_bytes
+    if whole.expert_parameters and recipe.load_in_4bit:
+        base += whole.expert_parameters * DTYPE_BYTES[recipe.torch_dtype] - whole.expert_bytes
+    unit = max(counts.layer_gathered_bytes, counts.largest_other_unit_gathered_bytes) // ranks
+    return base + whole.adapter_bytes + whole.quantization_constant_bytes + unit + CUDA_CONTEXT_BYTES
 
 
 def longest_sequence(plan: MemoryPlan, model_config, recipe, rows: int, compute_bytes: int, chunk: int) -> int:
@@ -568,6 +591,10 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         found.append(
             {"switch": "fsdp_cpu_ram_efficient_loading: true (host RAM while loading)", "saves": saved, "host": True}
         )
+        if plan.gpu_loading > plan.gpu_total and plan.fsdp == "FSDP2":  # each GPU then receives its shards only
+            saved = plan.gpu_loading - plan.gpu_total
+            switch = "fsdp_cpu_ram_efficient_loading: true (each GPU receives its shards only)"
+            found.append({"switch": switch, "saves": saved, "loading": True})
     return sorted(found, key=lambda s: (s.get("host", False), -s["saves"]))
 
 
@@ -584,10 +611,15 @@ def budget(value: int) -> str:
 def verdict(plan: MemoryPlan) -> str:
     """One line: fits with what to spare, or does not fit and which switches would save how much."""
     size = budget(plan.gpu_memory_bytes)
-    spare = plan.gpu_memory_bytes - plan.gpu_total
+    spare = plan.gpu_memory_bytes - plan.gpu_peak
     if spare >= 0:
         return f"fits in {size} per GPU with {gib(spare)} to spare (estimate)"
-    gpu_switches = [s for s in plan.suggestions if not s.get("host")]
+    if plan.gpu_loading > plan.gpu_total:  # the whole model on each GPU before sharding
+        needed = f"does not fit in {size} per GPU while loading (needs {gib(plan.gpu_loading)}, estimate)"
+        loading = [s for s in plan.suggestions if s.get("loading")]
+        remedy = f"turn on {loading[0]['switch']}" if loading else "load_in_4bit: true, or larger GPUs"
+        return f"{needed}: {remedy}"
+    gpu_switches = [s for s in plan.suggestions if not s.get("host") and not s.get("loading")]
     listed = ", ".join(f"{s['switch']} (saves {gib(s['saves'])})" for s in gpu_switches if s["saves"] > 0)
     needed = f"does not fit in {size} per GPU (needs {gib(plan.gpu_total)}, estimate)"
     return f"{needed}: turn on {listed}" if listed else f"{needed}: use more or larger GPUs, or a smaller batch"
@@ -608,7 +640,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  {'per GPU (largest rank)':<40} {'bytes':>14} {'':>11}",
     ]
     lines += [f"  {name:<40} {value:>14,} {gib(value):>11}" for name, value in plan.gpu.items()]
-    lines += [f"  {'total':<40} {plan.gpu_total:>14,} {gib(plan.gpu_total):>11}", "", f"  {'host RAM per node':<40}"]
+    lines.append(f"  {'total':<40} {plan.gpu_total:>14,} {gib(plan.gpu_total):>11}")
+    if plan.gpu_loading:
+        lines.append(f"  {'while loading: whole model (est.)':<40} {plan.gpu_loading:>14,} {gib(plan.gpu_loading):>11}")
+    lines += ["", f"  {'host RAM per node':<40}"]
     lines += [f"  {name:<40} {value:>14,} {gib(value):>11}" for name, value in plan.host.items()]
     lines += [""] + [f"  note: {note}" for note in plan.notes]
     lines.append("  (est.) rows are estimates; weights, gradients and optimizer rows are exact counts from the config")

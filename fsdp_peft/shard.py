@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 
 from fsdp_peft._compat import (
     context_parallel_hooks_skipped,
+    originals_released_while_sharding,
     trainer_peft_update_skipped,
     xla_fsdp_optimizer_created,
 )
@@ -33,7 +34,8 @@ def shard(trainer, prepare: Callable[[], Prepared]) -> Prepared:
        (`fsdp_peft.fsdp_policies.configure_fsdp_for_peft`); on TPUs, XLA FSDP's per-layer wrapping.
     2. Wrapping: Trainer's preparation, with transformers' FSDP1 PEFT update skipped (it would replace step 1's
        policies), XLA FSDP's optimizer created after the wrap, and, for low-memory loading, the weights streamed
-       from rank 0 into the shards right after accelerate shards the weightless skeleton. With sequence
+       from rank 0 into the shards right after accelerate shards the weightless skeleton; otherwise each unit's
+       unsharded weights are freed as it is sharded (accelerate would hold them all until it returns). With sequence
        parallelism the mesh is accelerate's (data x sequence, `fsdp_peft.sequence_parallel`), without the
        ring-attention hooks accelerate would attach (they drop every attention mask).
     3. ``generate`` registered as an FSDP forward method (sharded sampling gathers each unit as forward does).
@@ -47,6 +49,7 @@ def shard(trainer, prepare: Callable[[], Prepared]) -> Prepared:
         trainer_peft_update_skipped(),
         xla_fsdp_optimizer_created(trainer),
         context_parallel_hooks_skipped(trainer.accelerator),
+        originals_released_while_sharding(),
         weights_loaded_after_sharding(model, trainer.accelerator),
     ):
         prepared = prepare()

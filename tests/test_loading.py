@@ -20,7 +20,7 @@ STEPS = 3
 _runs: dict = {}
 
 
-def launch_loading_check(out, *launch_flags: str, qlora: bool = False) -> dict:
+def launch_loading_check(out, *launch_flags: str, qlora: bool = False, check_args: tuple = ()) -> dict:
     """One ``accelerate launch`` of the check; returns rank 0's report (and leaves per-rank shards in ``out``)."""
     command = [
         sys.executable,
@@ -39,6 +39,7 @@ def launch_loading_check(out, *launch_flags: str, qlora: bool = False) -> dict:
         "--steps",
         str(STEPS),
         *(["--qlora"] if qlora else []),
+        *check_args,
     ]
     result = run_command(command)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -224,3 +225,33 @@ def test_the_4bit_weights_each_rank_holds_gather_to_one_process_load_and_decode_
         checked += 1
     print(f"4-bit weights gathered from 2 ranks vs bf16: largest relative error {worst:.3f}")
     assert checked == 28 and worst <= 0.1
+
+
+@pytest.mark.slow
+def test_ordinary_loading_frees_each_units_weights_as_fsdp2_shards_it(tmp_path):
+    """Accelerate holds a state dict of the unsharded model through FSDP2's sharding (read by its low-memory branch
+    only): every rank peaked at its whole model plus its shards (one H200: twice the weights on one rank). The
+    sharding step frees each unit's weights as it goes (`fsdp_peft._compat.originals_released_while_sharding`).
+    Measured here on this model (517 MiB in fp32 a rank, 258 MiB of shards): +26 MiB of anonymous memory while
+    sharding; +265 MiB with accelerate's behaviour (``--keep-originals``), 2026-12-04."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from fsdp_peft.paths import tiny_model_path
+
+    model_dir = tmp_path / "model"
+    config = LlamaConfig(
+        vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    weights = sum(p.numel() for p in model.parameters()) * 4  # fp32, as the check reads them
+    model.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 read as fp32: each rank's weights its own memory
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(model_dir)
+    report = launch_loading_check(tmp_path / "out", check_args=("--model", str(model_dir), "--no-train"))
+    for samples, called in zip(report["rss_samples"], report["training_called"]):
+        before = [anonymous for at, _, anonymous in samples if at <= called][-1]
+        sharding = max(anonymous for at, _, anonymous in samples if at > called)
+        grown, shards = (sharding - before) / 2**20, weights / 2**21
+        print(f"anonymous memory while sharding: +{grown:.0f} MiB; shards {shards:.0f} MiB")
+        assert sharding - before < 0.25 * weights / 2  # a unit's shard and Trainer's own, not every unit's weights

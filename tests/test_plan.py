@@ -230,3 +230,28 @@ def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_it
     bf16 = counts.base_parameters * 2 // 2
     print(f"Qwen3-30B-A3B QLoRA on 2 GPUs: base {base / 2**30:.2f} GiB per GPU, bf16 {bf16 / 2**30:.2f} GiB")
     assert base <= 0.3 * bf16
+
+
+def test_ordinary_loading_puts_the_whole_model_on_each_gpu_and_the_verdict_says_when_that_decides(monkeypatch):
+    """Ordinary loading reads the whole model onto each GPU before FSDP shards it (then frees each unit's weights as
+    it is sharded: tests/test_loading.py); low-memory loading gives each GPU its shards only."""
+    config = REPO / "configs" / "llama_lora" / "llama3_1_8b.yaml"  # Llama 3.1 8B's shipped config: no network
+    fsdp2 = REPO / "configs" / "accelerate" / "fsdp2.yaml"
+    with _environment(launcher_environment(fsdp2)):
+        plan = plan_memory(config, 2, 16 * 2**30)
+    # from the definition: the whole bf16 base, the fp32 adapters (r 16 on 7 projections x 32 layers), the largest
+    # unit's shard (the 128256 x 4096 bf16 head over 2 ranks) and the CUDA context
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)) * 4
+    assert plan.counts.base_parameters == 8_030_261_248
+    want = 8_030_261_248 * 2 + adapters + 128256 * 4096 * 2 // 2 + 2**30
+    assert plan.gpu_loading == want and plan.gpu_total < 16 * 2**30 < want
+    assert not plan.fits and plan.gpu_peak == want
+    assert plan.to_json()["verdict"] == (
+        f"does not fit in 16 GiB per GPU while loading (needs {want / 2**30:.2f} GiB, estimate): "
+        "turn on fsdp_cpu_ram_efficient_loading: true (each GPU receives its shards only)"
+    )
+    low_memory = launcher_environment(fsdp2)
+    low_memory["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+    with _environment(low_memory):
+        plan = plan_memory(config, 2, 16 * 2**30)
+    assert plan.gpu_loading == 0 and plan.fits

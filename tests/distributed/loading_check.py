@@ -6,7 +6,8 @@ to ``<out>/shards-rank<r>.pt`` and its RSS samples, and rank 0 prints one JSON l
 losses, the FSDP settings in force, whether low-memory loading was used, and each rank's samples.
 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml [--fsdp_cpu_ram_efficient_loading true] \
-        tests/distributed/loading_check.py --out DIR [--model PATH] [--qlora] [--steps N] [--no-train]
+        tests/distributed/loading_check.py --out DIR [--model PATH] [--qlora] [--steps N] [--no-train] \
+        [--keep-originals]
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
+from fsdp_peft._compat import fsdp_param_groups
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.distributed import start_process_group
 from fsdp_peft.loading import low_memory_loading_requested
@@ -35,7 +37,16 @@ parser.add_argument("--qlora", action="store_true")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--no-train", action="store_true", help="stop once the model is loaded and sharded")
 parser.add_argument("--gradient-checkpointing", action="store_true")
+parser.add_argument(
+    "--keep-originals", action="store_true", help="accelerate's sharding as released: no originals freed meanwhile"
+)
 cli = parser.parse_args()
+if cli.keep_originals:
+    import contextlib
+
+    import fsdp_peft.shard
+
+    fsdp_peft.shard.originals_released_while_sharding = contextlib.nullcontext
 
 
 class RssSampler:
@@ -81,8 +92,8 @@ class StopAtTrainBegin(TrainerCallback):
         self.checkpoint_wrappers = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
         self.devices = sorted({str(p.device) for p in model.parameters()})
         states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
-        groups = [getattr(state, "_fsdp_param_group", None) for state in states]
-        self.offloaded = sum(fsdp_param.offload_to_cpu for group in groups if group for fsdp_param in group.fsdp_params)
+        groups = [group for state in states for group in fsdp_param_groups(state)]
+        self.offloaded = sum(fsdp_param.offload_to_cpu for group in groups for fsdp_param in group.fsdp_params)
         self.layer_forwards = 0
         # a pre-hook: a recomputation stops once it has what backward needs, before the layer's end
         attention = next(m for n, m in model.named_modules() if ".layers.0." in n and n.endswith(".self_attn"))
@@ -124,11 +135,15 @@ data = [{"input_ids": row, "labels": row} for row in rows]
 stop = StopAtTrainBegin(sampler)
 trainer = PeftFsdpTrainer(model=model, args=training, train_dataset=data, callbacks=[stop])
 stop.trainer = trainer
+sampler.mark()
+training_called = time.time()  # the samples after it: Trainer's preparation (sharding) until training begins
 trainer.train()
 
 rank = dist.get_rank()
 samples = [None] * dist.get_world_size()
 dist.all_gather_object(samples, sampler.samples)
+called = [None] * dist.get_world_size()
+dist.all_gather_object(called, training_called)
 if rank == 0:
     report = {
         "low_memory_loading": low_memory_loading_requested(),
@@ -140,6 +155,7 @@ if rank == 0:
         "offloaded_parameters": stop.offloaded,
         "layer_0_attention_forwards": stop.layer_forwards,
         "rss_samples": samples,
+        "training_called": called,  # each rank's
     }
     print(json.dumps(report))
 if cli.no_train:
