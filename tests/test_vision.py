@@ -226,6 +226,8 @@ BAD_ROWS = {  # name: (row, vision model, the message's start after "<file> row 
     "count": ({**_image_row("red", "a.png"), "images": []}, True, "1 image part(s) in messages but 0 image(s)"),
     "text-only model": (_image_row("red", "a.png"), False, "has images but the model takes text only"),
     "remote": (_image_row("red", "https://example.com/a.png"), True, "image https://example.com/a.png is remote"),
+    "not an object": (["red"], True, "a row must be a JSON object, got list"),
+    "a message not an object": ({"messages": ["red"], "images": []}, True, "needs messages ending with the assistant"),
 }
 
 

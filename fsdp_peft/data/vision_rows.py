@@ -129,8 +129,11 @@ def check_rows(
 
 
 def _checked(row: dict, where: str, base: Path, processor, max_seq_length: int, vision: bool) -> VisionRow:
+    if not isinstance(row, dict):  # a JSON line holding a list, a string, a number
+        raise ConfigError(f"{where}: a row must be a JSON object, got {type(row).__name__}; fix the row")
     messages, images = row.get("messages"), row.get("images") or []
-    if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+    chat = isinstance(messages, list) and messages and all(isinstance(message, dict) for message in messages)
+    if not chat or messages[-1].get("role") != "assistant":
         raise ConfigError(f"{where}: needs messages ending with the assistant's answer (the chat format)")
     parts = image_parts(messages)
     if parts != len(images):
