@@ -72,6 +72,14 @@ projections, activation checkpointing: tokens/s over the whole training (first s
 to the plan, the parameter, gradient and optimizer bytes next to the plan's, losses finite. The dry run: the QLoRA
 run on the embedded tiny-qwen2.5-vl, 3 steps.
 
+Sequence-parallel runs (``sp``, `SP_SIZES`; they need 2 GPUs: one GPU skips them and says so in ``skipped``):
+``recipes/llama_qlora.py`` on the 8B shape with ``sequence_parallel_size: 2`` on 2 ranks (one group: both train the
+same rows, each holding half of every row) and then in one process on the same whole rows, 1 row of 16,384 tokens
+a step (the embedded reversal rows packed: documents cross the ranks' boundary), 4 steps, LoRA r=16 without dropout:
+tokens/s, training peak of each next to its plan (the split run planned on 2 ranks), and ``sequence_parallel``: the
+largest relative loss difference between the two runs and the split run's training peak over the whole run's. The
+dry run: both on the embedded tiny-llama, 2 rows of 64 tokens, 3 steps, 2 gloo ranks against one process.
+
 4-bit kernels (``kernels``, first: seconds, one child process, `kernel_check`): bitsandbytes' CUDA kernels against
 ``tests/four_bit_reference.py``, a decoder of the 4-bit formats written from their definition (the oracle of the
 4-bit tests, which found bitsandbytes' CPU kernel wrong), every comparison made with the same packed bytes and quant
@@ -89,7 +97,8 @@ state moved to CPU:
 - ``expert_rows``: `fsdp_peft.moe_quantization`'s rows of a ``[8, 768, 2048]`` bf16 weight (NF4 and FP4, double
   quantization on and off) dequantized must equal the reference's reading of the documented layout exactly.
 
-``matches_reference``: all three hold. The dry run runs the same cases on CPU (about 40 s on 2 quiet cores).
+``matches_reference``: all three hold. The dry run runs the same cases on CPU, ``dequantize_4bit`` on the widths up to
+768 (`KERNEL_DRY_WIDTHS`: CI's time; tests/test_four_bit.py checks the CPU kernel against the same reference).
 
     python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny models, tiny sizes, same code path
     python benchmarks/gpu_check.py --shapes moe     # one GPU: the MoE runs alone
@@ -127,7 +136,7 @@ SIZES = {  # model shape: rows per step, tokens per row (and optimizer steps whe
     "tiny": {"batch": 2, "seq": 32},
     "tiny-moe": {"batch": 2, "seq": 32, "steps": 3},  # CI's time: one step timed
 }
-TINY_MODELS = {"tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe"}  # the embedded models (fsdp_peft.tiny)
+TINY_MODELS = {"tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe", "tiny-vl": "tiny-qwen2.5-vl"}  # fsdp_peft.tiny
 # MoE runs: LoRA on attention and on every expert (peft's target_parameters), no dropout (none on expert parameters)
 MOE_LORA = {**LORA, "lora_dropout": 0.0, "lora_target_modules": ["auto"], "lora_target_parameters": ["auto"]}
 MOE_RUNS = ("qlora", "lora")  # most important first: the experts quantized by fsdp_peft.moe_quantization
@@ -150,10 +159,16 @@ GRPO_LAUNCH = "configs/accelerate/fsdp2.yaml"  # one rank, on one GPU or (dry ru
 VISION_SIZES = {"qwen2.5-vl-7b": {"batch": 8, "seq": 320, "steps": 6}, "tiny-vl": {"batch": 4, "seq": 64, "steps": 3}}
 VISION_RUNS = ("qlora", "lora")  # most important first
 VISION_DRY_RUNS = ("qlora",)  # CI's time: the LoRA run differs in load_in_4bit only
+# Sequence-parallel runs (``sp``): recipes/llama_qlora.py with sequence_parallel_size 2 on 2 ranks (one group: both
+# ranks train the same rows, each holding half of every row) against one process on the same whole rows; packed rows
+# of the embedded reversal task (documents crossing the ranks' boundary). On GPUs they need 2; one GPU skips them.
+SP_SIZES = {"8b": {"batch": 1, "seq": 16384, "steps": 4}, "tiny": {"batch": 2, "seq": 64, "steps": 3}}
+SP_RANKS = 2
 RUN_MINIMUM_SECONDS = 30  # no run (nor checkpoint build) starts with less of the budget left
 # The 4-bit kernels against the reference decoder (``kernels``, first: seconds): last dimensions that are and are not
 # whole blocks of 64 (96, 160, 200 as the CPU kernel got them wrong; the real models' 768 to 14336), every block size.
 KERNEL_WIDTHS = (96, 160, 200, 768, 2048, 2880, 14336)
+KERNEL_DRY_WIDTHS = KERNEL_WIDTHS[:4]  # the dry run (CPU, CI's time): tests/test_four_bit.py checks the CPU kernel
 KERNEL_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 KERNEL_EXPERTS = (8, 768, 2048)  # 8 experts of the MoE runs' 768 x 2048 weights
 # Linear4bit against matmuls with the reference's weights, relative error: fp32, summation order alone (a sequential
@@ -164,15 +179,15 @@ LINEAR_BOUNDS = {"float32": 1e-5, "bfloat16": 2**-7}
 
 def checkpoint(shape: str, device: str) -> str:
     """The runs' ``model_name_or_path``: an embedded model's name (built here on first use), else the directory of a
-    random-weight checkpoint of that shape (`models.checkpoint_path`)."""
-    from models import checkpoint_path
+    random-weight checkpoint of that shape (`models.checkpoint_path`, a VLM's `models.vision_checkpoint_path`)."""
+    from models import checkpoint_path, vision_checkpoint_path
 
     from fsdp_peft.paths import tiny_model_path
 
     if shape in TINY_MODELS:
         tiny_model_path(TINY_MODELS[shape])
         return TINY_MODELS[shape]
-    path = checkpoint_path(shape, "bfloat16", device)
+    path = (vision_checkpoint_path if shape in VISION_SIZES else checkpoint_path)(shape, "bfloat16", device)
     if device == "cuda":  # the runs are child processes: give them the memory the build cached here
         import gc
 
@@ -502,7 +517,8 @@ def dequantize_cases(device) -> dict:
 
     storages, settings = (torch.uint8, torch.bfloat16, torch.float32), 0
     compared, unequal, largest = 0, [], 0.0
-    for width, rows in itertools.product(KERNEL_WIDTHS, ((5,), (2, 3))):
+    widths = KERNEL_WIDTHS if device.type == "cuda" else KERNEL_DRY_WIDTHS
+    for width, rows in itertools.product(widths, ((5,), (2, 3))):
         shape = (*rows, width)
         weight = torch.randn(shape, generator=torch.Generator().manual_seed(width + len(shape))).to(torch.bfloat16)
         for blocksize, quant_type, nested, storage in itertools.product(
@@ -606,10 +622,10 @@ def expert_rows_cases(device) -> dict:
     return {"shape": list(KERNEL_EXPERTS), "cases": cases, "passed": all(case["equal"] for case in cases)}
 
 
-def planned(config: Path, gpu_memory: int) -> dict:
+def planned(config: Path, gpu_memory: int, ranks: int = 1) -> dict:
     from fsdp_peft.plan import CUDA_CONTEXT_BYTES, plan_memory
 
-    plan = plan_memory(config, 1, gpu_memory)
+    plan = plan_memory(config, ranks, gpu_memory)
     return {
         "allocator_bytes": plan.gpu_total - CUDA_CONTEXT_BYTES,
         "total_with_context_bytes": plan.gpu_total,
@@ -656,11 +672,14 @@ def drive(args) -> None:
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    order = (args.shapes or ("kernels,tiny,grpo,moe,vlm" if args.dry_run else "kernels,1b,grpo,moe,vlm,8b")).split(",")
+    order = (
+        args.shapes or ("kernels,tiny,grpo,moe,vlm,sp" if args.dry_run else "kernels,1b,grpo,moe,vlm,sp,8b")
+    ).split(",")
     shapes = {
         "grpo": "tiny" if args.dry_run else args.grpo_shape,
         "moe": "tiny-moe" if args.dry_run else "moe",
         "vlm": "tiny-vl" if args.dry_run else "qwen2.5-vl-7b",
+        "sp": "tiny" if args.dry_run else "8b",
     }
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80 * 2**30
     report = {
@@ -716,6 +735,10 @@ def drive(args) -> None:
         if item == "vlm":
             vision_check(shape, vision_runs, device, gpu_memory, args, report, started)
             continue
+        if item == "sp":
+            report["settings"]["sp"] = {"model": shape, **SP_SIZES[shape], "ranks": SP_RANKS, "recipe": "llama_qlora"}
+            sequence_parallel_check(shape, device, gpu_memory, args, report, started)
+            continue
         path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
         if item == "grpo":
             for mode, method in grpo_runs:
@@ -743,22 +766,14 @@ def drive(args) -> None:
 
 def vision_check(shape: str, methods, device: str, gpu_memory: int, args, report: dict, started: float) -> None:
     """The vision-language runs: each recipe launched (FSDP2, one rank) on ``shape``, its plan beside it."""
-    from models import vision_checkpoint_path
-
-    from fsdp_peft.paths import tiny_model_path
-
-    path = ""
-    if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
-        path = "tiny-qwen2.5-vl" if shape == "tiny-vl" else str(vision_checkpoint_path(shape, "bfloat16", device))
-        if shape == "tiny-vl":
-            tiny_model_path(path)
+    path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
     for method in methods:
         entry: dict = {"model": shape, "method": method, "impl": "fsdp-peft vlm"}
         if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
             directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_vlm_{method}_"))
             config = vision_yaml(directory, path, method, VISION_SIZES[shape])
             entry["planned"] = planned(config, gpu_memory)
-        measured(entry, lambda left: vision_run(method, config, left), args, report, started)
+        measured(entry, lambda left: recipe_run(f"qwen_vl_{method}", config, left), args, report, started)
 
 
 def vision_yaml(directory: Path, model: str, method: str, size: dict) -> Path:
@@ -779,14 +794,17 @@ def vision_yaml(directory: Path, model: str, method: str, size: dict) -> Path:
     return write_yaml(directory / "vlm.yaml", values)
 
 
-def vision_run(method: str, config: Path, left: float) -> dict:
-    """recipes/qwen_vl_<method>.py launched on one rank; tokens/s over the whole training (its first step
-    included), peak GPU memory and the parameter, gradient and optimizer bytes from its memory.json."""
+def recipe_run(recipe: str, config: Path, left: float, ranks: int = 1) -> dict:
+    """recipes/<recipe>.py launched as users launch it (FSDP2) on ``ranks`` ranks; tokens/s over the whole training
+    (its first step included), the training and loading peaks and the parameter, gradient and optimizer bytes from
+    its memory.json (rank 0), and the logged losses."""
+    import torch
     from grpo_rollouts import child_env, free_port
 
-    launcher = ["-m", "accelerate.commands.launch", "--config_file", GRPO_LAUNCH, "--num_processes", "1"]
+    launch = GRPO_LAUNCH if torch.cuda.is_available() else "configs/accelerate/cpu_fsdp2.yaml"
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", launch, "--num_processes", str(ranks)]
     launcher += ["--main_process_port", str(free_port())]
-    command = [sys.executable, *launcher, f"recipes/qwen_vl_{method}.py", "--config", str(config)]
+    command = [sys.executable, *launcher, f"recipes/{recipe}.py", "--config", str(config)]
     env = child_env(TOKENIZERS_PARALLELISM="false")
     child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=left)
     if child.returncode != 0:
@@ -804,8 +822,59 @@ def vision_run(method: str, config: Path, left: float) -> dict:
         **peaks(memory),
         "peak_rss_bytes": memory.get("peak_rss_bytes"),
         "final_loss": losses[-1] if losses else None,
+        "losses": losses,
         "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
     }
+
+
+def sequence_parallel_check(shape: str, device: str, gpu_memory: int, args, report: dict, started: float) -> None:
+    """The sequence-parallel pair (`SP_SIZES`): the split run on `SP_RANKS` ranks and one process on the whole rows,
+    each next to its plan; then the largest relative loss difference between them and the ratio of their peaks."""
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else SP_RANKS
+    if gpus < SP_RANKS:
+        report["skipped"].append(f"{shape}/qlora/sequence parallel: needs {SP_RANKS} GPUs, this machine has {gpus}")
+        return
+    path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
+    entries = {}
+    for kind, ranks in (("split", SP_RANKS), ("whole", 1)):
+        entry = entries[kind] = {"model": shape, "method": "qlora", "impl": f"sp {kind}"}
+        if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
+            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_sp_{kind}_"))
+            config = sequence_parallel_yaml(directory, path, SP_SIZES[shape], ranks)
+            entry["planned"] = planned(config, gpu_memory, ranks)
+        measured(entry, lambda left: recipe_run("llama_qlora", config, left, ranks), args, report, started)
+    split, whole = entries["split"].get("losses"), entries["whole"].get("losses")
+    if split and whole and len(split) == len(whole):
+        peaks_of = [entries[kind].get("peak_gpu_allocated_training_bytes") for kind in ("split", "whole")]
+        report["sequence_parallel"] = {
+            "largest_relative_loss_difference": max(abs(a - b) / abs(b) for a, b in zip(split, whole)),
+            "split_over_whole_training_peak": peaks_of[0] / peaks_of[1] if all(peaks_of) else None,
+        }
+        print(f"{'':<30}split vs whole rows: {report['sequence_parallel']}", flush=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+def sequence_parallel_yaml(directory: Path, model: str, size: dict, split: int) -> Path:
+    """The QLoRA recipe config of a sequence-parallel run, ``split`` ranks to a row (1: the whole rows)."""
+    values = {
+        "model_name_or_path": model,
+        "torch_dtype": "bfloat16",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_storage": "bfloat16",
+        **LORA,
+        "lora_dropout": 0.0,  # the two runs draw no different masks
+        "max_seq_length": size["seq"],
+        "packing": True,  # short documents packed across the ranks' boundary
+        "sequence_parallel_size": split,
+        "generate_samples": 0,
+        "generate_eval_samples": 0,
+        "eval_strategy": "no",
+        "per_device_train_batch_size": size["batch"],
+        **recipe_training(directory, size["steps"], learning_rate=1e-4),
+    }
+    return write_yaml(directory / "sp.yaml", values)
 
 
 def peaks(memory: dict) -> dict:

@@ -578,6 +578,10 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             and vision["parameter_gradient_optimizer_bytes"]
             == (vision["planned"]["parameter_gradient_optimizer_bytes"])
         )
+        # the split pair (2 gloo ranks against one process, QLoRA): tests/test_sequence_parallel.py's QLoRA bound
+        assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]
+        split = next(r for r in report["runs"] if r["impl"] == "sp split")
+        assert split["parameter_gradient_optimizer_bytes"] == split["planned"]["parameter_gradient_optimizer_bytes"]
     elif "benchmarks/eval_speed.py" in command:
         assert "same figures in every run (perplexity within 1e-5): True" in output
         assert "sharded / one process: median " in output
