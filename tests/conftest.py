@@ -17,26 +17,29 @@ collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 ACCELERATE_CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 
 
-# The files whose tests take longest (measured with --durations, 2 cores), started first: with two test processes
+# The files whose tests take longest (--durations=0 on 2 cores, 2026-12-04), longest first: with two test processes
 # (pyproject.toml's -n 2 --dist loadfile) a long file started last would run alone at the end. Order only.
 LONGEST_FIRST = [
     "test_docs.py",
     "test_vision.py",
     "test_variants.py",
     "test_fsdp_routes.py",
+    "test_recipes_catalog.py",
+    "test_moe.py",
     "test_runs.py",
+    "test_grpo.py",
+    "test_sequence_parallel.py",
     "test_resume.py",
     "test_recipes_fsdp.py",
     "test_preference.py",
-    "test_moe.py",
-    "test_recipes_catalog.py",
-    "test_sequence_parallel.py",
-    "test_generate_cli.py",
     "test_eval.py",
+    "test_generate_cli.py",
+    "test_loading.py",
     "test_export_guards.py",
-    "test_config_fuzz.py",
-    "test_families.py",
     "test_multinode.py",
+    "test_families.py",
+    "test_config_fuzz.py",
+    "test_four_bit.py",
 ]
 
 

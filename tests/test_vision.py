@@ -43,8 +43,9 @@ QLORA_PER_RANK = 16
 QLORA_SGD = ["--optim", "sgd", "--learning_rate", "0.05"]
 QLORA_EVAL_TOLERANCE = 5e-4  # the eval loss after those 5 steps (measured 2.0e-4 on Gemma 3)
 RECIPES = {"qwen": "tiny-qwen2.5-vl", "qwen3": "tiny-qwen3-vl", "gemma3": "tiny-gemma3-vl"}
+# Each family with and without a trained projector; Qwen2.5-VL's "without" is its QLoRA case (its fp32 LoRA without a
+# projector, 1.8e-7: measured once, docs/vision.md), Gemma 3's LoRA case keeps the export's frozen-projector check.
 CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
-    "qwen-lora": ("qwen_vl_lora", SGD, 1e-5),
     "qwen-lora-projector": ("qwen_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
     "qwen-qlora": ("qwen_vl_qlora", QLORA_SGD, 1e-4),
     # Qwen3-VL through the Qwen recipes (its deepstack mergers frozen; the merger trained as the projector)
