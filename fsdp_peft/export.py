@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -66,6 +67,7 @@ from fsdp_peft.safetensors_io import (
     read_header,
     read_tensors,
 )
+from fsdp_peft.vision import auto_model_class_name
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # by short name (dtypes.py)
 WRITER_LOCK = ".fsdp_peft_writer.lock"
@@ -389,7 +391,7 @@ def export_merged(
         writer.finish()
         write_model_files(base_dir, staging, out_dtype)
         write_grown_model_files(read_new_tokens(adapter.origin), adapter.origin, staging)  # new tokens
-        (staging / "README.md").write_text(model_card(adapter, base_dir, dtype, base_variant))
+        (staging / "README.md").write_text(model_card(adapter, base_dir, dtype, base_variant, staging))
         if adapter.recipe:  # how prompts were rendered in training, for `fsdp-peft generate`
             (staging / RECIPE_FILE).write_text(json.dumps(adapter.recipe, indent=1, sort_keys=True))
         if verify:
@@ -434,9 +436,11 @@ def merged_onto(adapter: Adapter, base_variant: str) -> str:
     )
 
 
-def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) -> str:
-    """A README naming base, adapter, recipe config and training summary."""
+def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str, directory: Path) -> str:
+    """A README naming base, adapter, recipe config and training summary, and how to load and prompt the model
+    files written in ``directory``."""
     config = adapter.config
+    model_config = read_json(directory / "config.json")
     lines = [
         "# Merged model (fsdp-peft export)",
         "",
@@ -444,7 +448,9 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
         f"- adapter: `{adapter.origin}`: LoRA r={config['r']}, alpha={config['lora_alpha']}, "
         f"targets {config.get('target_modules')}",
         f"- merged onto: {merged_onto(adapter, base_variant)}",
-        f"- dtype: {dtype}; no quantization config; loads with `AutoModelForCausalLM.from_pretrained`",
+        f"- dtype: {dtype}; no quantization config; loads with `{model_auto_class(model_config)}.from_pretrained`",
+        "",
+        *usage_section(model_config, has_chat_template(directory), has_processor(directory)),
     ]
     if adapter.recipe:
         lines += ["", "## Recipe config", "", "```json", json.dumps(adapter.recipe, indent=1, sort_keys=True), "```"]
@@ -452,6 +458,76 @@ def model_card(adapter: Adapter, base_dir: Path, dtype: str, base_variant: str) 
     if results:
         lines += ["", "## Training summary", "", "```json", json.dumps(results, indent=1), "```"]
     return "\n".join(lines) + "\n"
+
+
+# The model card's sentence for a tokenizer with a chat template: a chat model given a raw prompt often ends at once.
+CHAT_TEMPLATE_NOTE = (
+    "The tokenizer has a chat template: prompt the model through it (`apply_chat_template`, as below); a raw prompt "
+    "without the template may get no answer at all (an end-of-sequence token at once)."
+)
+USAGE_PATH = "path/to/this/directory"  # the snippet's placeholder: the directory may be moved after export
+
+
+def model_auto_class(config: dict) -> str:
+    """The auto class loading a model of config.json ``config``, as `fsdp_peft.vision.auto_model_class_name` names
+    it (read from the JSON, not transformers' config class: the export does not import transformers)."""
+    return auto_model_class_name(types.SimpleNamespace(**config))
+
+
+def has_chat_template(directory: Path) -> bool:
+    """Whether the tokenizer or processor files in ``directory`` carry a chat template (a ``chat_template*`` file,
+    or one inside tokenizer_config.json or processor_config.json, where older checkpoints keep it)."""
+    if any(path.is_file() for path in directory.glob("chat_template*")):
+        return True
+    return any(
+        read_json(directory / name).get("chat_template") for name in ("tokenizer_config.json", "processor_config.json")
+    )
+
+
+def has_processor(directory: Path) -> bool:
+    """Whether ``directory`` holds processor files (a vision-language model's image processor)."""
+    return any((directory / name).is_file() for name in ("preprocessor_config.json", "processor_config.json"))
+
+
+def usage_section(config: dict, chat_template: bool, processor: bool) -> list[str]:
+    """The model card's loading and prompting snippet for a model of config.json ``config``: its auto class, its
+    processor where it has one (else its tokenizer), and a chat-template prompt when it has a template (raw
+    otherwise)."""
+    auto_class = model_auto_class(config)
+    loader, reader = ("AutoProcessor", "processor") if processor else ("AutoTokenizer", "tokenizer")
+    lines = ["## Usage", ""]
+    if chat_template:
+        lines += [CHAT_TEMPLATE_NOTE, ""]
+    lines += [
+        "```python",
+        f"from transformers import {auto_class}, {loader}",
+        "",
+        f'model = {auto_class}.from_pretrained("{USAGE_PATH}")',
+        f'{reader} = {loader}.from_pretrained("{USAGE_PATH}")',
+    ]
+    if chat_template and processor:  # image parts are expanded into the model's image tokens by the template
+        lines += [
+            'image = {"type": "image", "path": "image.png"}',
+            'messages = [{"role": "user", "content": [image, {"type": "text", "text": "Describe the image."}]}]',
+            f"inputs = {reader}.apply_chat_template(",
+            '    messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"',
+            ")",
+        ]
+    elif chat_template:
+        lines += [
+            'messages = [{"role": "user", "content": "Hello!"}]',
+            f"inputs = {reader}.apply_chat_template(",
+            '    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"',
+            ")",
+        ]
+    else:
+        lines += [f'inputs = {reader}(text="The capital of France is", return_tensors="pt")']
+    lines += [
+        "output = model.generate(**inputs, max_new_tokens=64)",
+        f'print({reader}.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))',
+        "```",
+    ]
+    return lines
 
 
 def verify_export(directory: Path, adapter: Adapter, base_dir: Path, base_variant: str, dtype: str) -> str:

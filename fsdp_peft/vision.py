@@ -31,12 +31,17 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def auto_model_class(config):
-    """The transformers auto class that builds ``config``'s model: ``AutoModelForImageTextToText`` for a
-    vision-language model, else ``AutoModelForCausalLM``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # lazy: model code
+def auto_model_class_name(config) -> str:
+    """The name of the transformers auto class that builds ``config``'s model: ``AutoModelForImageTextToText`` for
+    a vision-language model, else ``AutoModelForCausalLM`` (by name: the export's model card needs no transformers)."""
+    return "AutoModelForImageTextToText" if is_vision_config(config) else "AutoModelForCausalLM"
 
-    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+def auto_model_class(config):
+    """The transformers auto class that builds ``config``'s model (`auto_model_class_name`)."""
+    import transformers  # lazy: model code
+
+    return getattr(transformers, auto_model_class_name(config))
 
 
 def names_as_loaded(base, keys) -> dict[str, str]:

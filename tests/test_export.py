@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from conftest import REPO, run_command, tiny_llama_in_4bit
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import export_merged
+from fsdp_peft.export import CHAT_TEMPLATE_NOTE, export_merged, has_chat_template, has_processor, usage_section
+from fsdp_peft.paths import tiny_model_path
 from fsdp_peft.safetensors_io import parse_size
 
 
@@ -101,6 +102,37 @@ def test_shards_respect_the_maximum_size_and_are_indexed(adapter_dir, tmp_path):
     assert len(shards) >= 3 and set(index["weight_map"].values()) == {p.name for p in shards}
     largest_tensor = max(t.numel() * 4 for p in shards for t in load_file(p).values())
     assert all(p.stat().st_size <= max(1_000_000, largest_tensor) + 100_000 for p in shards)
+    readme = (out / "README.md").read_text()  # the tiny Llama's tokenizer has a chat template
+    assert "AutoModelForCausalLM.from_pretrained" in readme and "AutoModelForImageTextToText" not in readme
+    assert CHAT_TEMPLATE_NOTE in readme and "apply_chat_template(" in readme
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-gemma3-vl"])
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_the_model_card_loads_with_the_model_auto_class_and_prompts_as_its_tokenizer_needs(name, chat_template):
+    """Vision-language models load with AutoModelForImageTextToText and their processor (AutoModelForCausalLM
+    fails on them); a tokenizer with a chat template gets the template snippet and the note, else a raw prompt."""
+    directory = tiny_model_path(name)
+    vision = name.endswith("-vl")
+    assert has_processor(directory) == vision
+    readme = "\n".join(usage_section(json.loads((directory / "config.json").read_text()), chat_template, vision))
+    assert ("AutoModelForImageTextToText.from_pretrained(" in readme) == vision
+    assert ("AutoModelForCausalLM" in readme) != vision  # the class that fails on a vision-language model
+    assert ("AutoProcessor.from_pretrained(" in readme) == vision
+    assert (CHAT_TEMPLATE_NOTE in readme) == chat_template
+    assert ("apply_chat_template(" in readme) == chat_template
+    assert ('(text="The capital of France is"' in readme) != chat_template
+
+
+def test_a_chat_template_is_found_in_any_file_that_carries_one(tmp_path):
+    """The template file, or tokenizer_config.json or processor_config.json holding one; not an empty entry."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": None}))
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert has_chat_template(tmp_path)
+    (tmp_path / "processor_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)
 
 
 def test_nf4_variant_merges_onto_the_weights_4bit_training_saw(adapter_dir, tiny_model_dir, tmp_path):
