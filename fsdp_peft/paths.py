@@ -92,6 +92,44 @@ def shipped_hub_config(name: str) -> Path | None:
     return path if "/" in name and path.is_file() else None
 
 
+def shipped_hub_model_names() -> list[str]:
+    """The hub ids of the models the shipped recipe configs name (those `shipped_hub_config` keeps)."""
+    return sorted(path.stem.replace("--", "/") for path in HUB_CONFIGS.glob("*.json"))
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids the hub: a model not in the cache cannot load."""
+    from huggingface_hub import constants  # lazy: the export reads model files without the hub client
+
+    # the hub client reads the variable once, at import; a process that sets it later is offline too
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache_dir() -> Path:
+    """Where the Hugging Face hub keeps downloaded models (``HF_HUB_CACHE``, ``HF_HOME``/hub, ...)."""
+    from huggingface_hub import constants  # lazy: as in hub_offline
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_model_cached(name: str) -> bool:
+    """Whether hub model ``name``'s ``config.json`` is in the hub cache (so an offline load can find it)."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: as in hub_offline
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def cached_hub_model_names() -> list[str]:
+    """The hub ids of the models in the hub cache (``models--owner--name`` directories)."""
+    cache = hub_cache_dir()
+    if not cache.is_dir():
+        return []
+    return sorted(p.name.removeprefix("models--").replace("--", "/") for p in cache.glob("models--*"))
+
+
 def local_model_config(name: str, trust_remote_code: bool = False):
     """The config of model ``name`` (an embedded tiny model, a directory or a hub id) as transformers reads it, from
     this machine only: raises ``OSError`` when it is not here (nothing is downloaded), ``ValueError`` when

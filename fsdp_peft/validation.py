@@ -10,6 +10,7 @@ rules for the recipe and for ``fsdp-peft validate`` alike, and reports every pro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from pathlib import Path
@@ -22,9 +23,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
 from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
-from fsdp_peft.data.formats import DATA_FORMATS
-from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, is_local_path
-from fsdp_peft.data.tokenize import TRUNCATIONS
+from fsdp_peft.data.formats import DATA_FORMATS, source_examples
+from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, data_sources, is_local_path, read_source
+from fsdp_peft.data.tokenize import TRUNCATIONS, nothing_left_to_train_on
 from fsdp_peft.distributed import ranks
 from fsdp_peft.dtypes import DTYPES
 from fsdp_peft.errors import ConfigError
@@ -49,10 +50,23 @@ from fsdp_peft.moe import (
     moe_keys_need_a_mixture_of_experts,
     moe_targets_reach_the_experts,
 )
-from fsdp_peft.paths import checkpoint_quantization, known_model_config, local_model_config, resolve_model_path
+from fsdp_peft.paths import (
+    EMBEDDED_MODEL_NAMES,
+    cached_hub_model_names,
+    checkpoint_quantization,
+    hub_cache_dir,
+    hub_model_cached,
+    hub_offline,
+    known_model_config,
+    local_model_config,
+    resolve_model_path,
+    shipped_hub_config,
+    shipped_hub_model_names,
+)
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.tiny import TINY_DATASET_NAME
+from fsdp_peft.unreachable_hub import out_of_reach_noted
 from fsdp_peft.variants import (
     eva_forwards_the_loaded_model_before_sharding,
     eva_initialises_linear_layers_only,
@@ -160,6 +174,40 @@ def _local_model_path_exists(context: RuleContext) -> str | None:
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
         return f"model_name_or_path: directory not found: {name}"
     return None
+
+
+def _output_dir_can_hold_the_run(context: RuleContext) -> str | None:
+    output_dir = context.training.get("output_dir")
+    if output_dir and Path(output_dir).expanduser().exists() and not Path(output_dir).expanduser().is_dir():
+        return f"output_dir: '{output_dir}' is a file, not a directory; point output_dir at a new or existing directory"
+    return None
+
+
+def _model_name_is_known(context: RuleContext) -> str | None:
+    """A name that is no directory here and looks like an embedded model's (or, offline, a hub id not in the cache)
+    would cost the launch its hub retries: one line now, with the closest names."""
+    recipe = context.recipe
+    name = recipe.model_name_or_path
+    if name in EMBEDDED_MODEL_NAMES or Path(name).expanduser().exists():
+        return None
+    close = difflib.get_close_matches(name, EMBEDDED_MODEL_NAMES, n=1, cutoff=0.8)
+    if "/" not in name and (close or name.startswith("tiny-")):
+        suggestion = f"did you mean '{close[0]}'? " if close else ""
+        return (
+            f"model_name_or_path: '{name}' is no embedded model, directory or hub id; {suggestion}"
+            f"the embedded models are {', '.join(EMBEDDED_MODEL_NAMES)}"
+        )
+    if not hub_offline() or hub_model_cached(name):
+        return None
+    if out_of_reach_noted() and shipped_hub_config(name) is not None:
+        return None  # `fsdp-peft validate` of a shipped config on a machine without the model: the launch downloads
+    known = difflib.get_close_matches(name, [*shipped_hub_model_names(), *cached_hub_model_names()], n=1, cutoff=0.8)
+    suggestion = f"did you mean '{known[0]}'? " if known and known[0] != name else ""
+    return (
+        f"model_name_or_path: '{name}' is not in the Hugging Face cache ({hub_cache_dir()}) and the hub is offline "
+        f"(HF_HUB_OFFLINE); {suggestion}download it first, point model_name_or_path at a local copy, or unset "
+        "HF_HUB_OFFLINE"
+    )
 
 
 def _model_config_is_a_causal_lm(context: RuleContext) -> str | None:
@@ -670,7 +718,9 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _quant_storage_matches_gather_dtype: EVERY,
     _data_files_exist: EVERY,
     _data_settings_are_known: EVERY,
+    _output_dir_can_hold_the_run: EVERY,
     _local_model_path_exists: EVERY,
+    _model_name_is_known: EVERY,
     _model_config_is_a_causal_lm: EVERY,
     _gather_budget_is_a_size: EVERY,
     _fsdp_needs_several_processes: EVERY,
@@ -755,6 +805,34 @@ def model_structure_problems(recipe) -> list[str]:
     return problems
 
 
+def data_row_problems(recipe, procedure: str = SFT) -> list[str]:
+    """Problems with the local data's rows, found the way the launch's data step finds them (`read_source`, and for
+    text SFT every row parsed as its format, bad rows counted under ``skip_invalid_rows``); hub datasets are read by
+    the launch only."""
+    try:
+        sources = [source for source in data_sources(recipe) if source is not None and not source.hub]
+    except ConfigError as error:
+        return [str(error)]
+    except OSError:
+        return []  # a path that does not exist: `_data_files_exist` says so
+    try:
+        vision = is_vision_config(known_model_config(recipe.model_name_or_path, recipe.trust_remote_code))
+    except (OSError, ValueError):
+        vision = False
+    problems = []
+    for source in sources:
+        try:
+            if procedure != SFT or vision:  # their rows are checked by their own readers at launch
+                read_source(source)
+                continue
+            examples, dropped = source_examples(source, recipe.data_format, recipe.skip_invalid_rows)
+            if not examples:
+                problems.append(nothing_left_to_train_on(source, dropped))
+        except ConfigError as error:
+            problems.append(str(error))
+    return problems
+
+
 def check_keys(recipe, training: dict) -> None:
     """Raise one `ConfigError` listing every key of wrong type, range or choice (one per line): what a command
     that reads the config without running it (``fsdp-peft plan``) checks."""
@@ -765,7 +843,8 @@ def check_keys(recipe, training: dict) -> None:
 
 def check_before_training(recipe, training: dict, with_model_structure: bool = False, procedure: str = SFT) -> None:
     """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line); ``with_model_structure``
-    also checks the model's architecture (`model_structure_problems`).
+    (``fsdp-peft validate``) also checks the model's architecture (`model_structure_problems`) and the data's rows
+    (`data_row_problems`), which the launch checks in its own steps.
 
     Wrong types come first, alone: the rules combine keys and assume well-typed ones. Values out of range or
     choice are listed with the rules' problems.
@@ -774,6 +853,6 @@ def check_before_training(recipe, training: dict, with_model_structure: bool = F
     if problems := type_problems(values, hints):
         raise ConfigError("\n       ".join(problems))
     problems = value_problems(values, hints) + config_problems(recipe, training, procedure)
-    problems += model_structure_problems(recipe) if with_model_structure else []
+    problems += model_structure_problems(recipe) + data_row_problems(recipe, procedure) if with_model_structure else []
     if problems:
         raise ConfigError("\n       ".join(problems))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +33,18 @@ ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
 RULE_NAMED = {rule.__name__: rule for rule in RULES}
 CASES = {
+    "_output_dir_can_hold_the_run": (
+        LORA_TINY,
+        {},
+        ["--output_dir", str(REPO / "README.md")],
+        f"output_dir: '{REPO / 'README.md'}' is a file, not a directory; point output_dir at a new or existing",
+    ),
+    "_model_name_is_known": (
+        LORA_TINY,
+        {"HF_HUB_OFFLINE": "1"},
+        ["--model_name_or_path", "Qwen/Qwen2.5-7B-Instrct"],
+        "model_name_or_path: 'Qwen/Qwen2.5-7B-Instrct' is not in the Hugging Face cache (",
+    ),
     "_eval_tasks_are_harness_tasks": (
         LORA_TINY,
         {},
@@ -580,3 +595,88 @@ def test_one_validation_resolves_the_fsdp_settings_once(monkeypatch, tmp_path):
             "configs/accelerate/cpu_fsdp2.yaml ...` (or a GPU config), or remove fsdp/fsdp_config"
         ]
         assert len(calls) == 1, (procedure, len(calls))
+
+
+def test_a_mistyped_embedded_model_name_is_refused_with_the_closest_name(monkeypatch, tmp_path):
+    problem = _refused(LORA_TINY, {}, ["--model_name_or_path", "tiny-lama"], SFT, monkeypatch, tmp_path)
+    assert problem.startswith(
+        "model_name_or_path: 'tiny-lama' is no embedded model, directory or hub id; did you mean "
+        "'tiny-llama'? the embedded models are tiny-llama, tiny-qwen2,"
+    ), problem
+
+
+def test_an_offline_hub_typo_gets_the_shipped_name_it_is_closest_to(monkeypatch, tmp_path):
+    argv = ["--model_name_or_path", "Qwen/Qwen2.5-7B-Instrct"]
+    problem = _refused(LORA_TINY, {"HF_HUB_OFFLINE": "1"}, argv, SFT, monkeypatch, tmp_path)
+    assert "did you mean 'Qwen/Qwen2.5-7B-Instruct'?" in problem and "\n" not in problem, problem
+
+
+def _validate_lines(config: Path, *arguments: str) -> tuple[int, list[str]]:
+    from fsdp_peft.cli import main
+
+    with pytest.raises(SystemExit) as exit_code, contextlib.redirect_stderr(io.StringIO()) as stderr:
+        main(["validate", str(config), *arguments])
+    return exit_code.value.code, stderr.getvalue().splitlines()
+
+
+def test_validate_passes_a_shipped_config_offline_whose_model_is_not_downloaded(monkeypatch, capsys):
+    from fsdp_peft.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main(["validate", str(REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml")])
+    assert capsys.readouterr().out.strip().endswith("qwen2_5_7b.yaml: ok")
+
+
+def test_validate_finds_what_the_launch_refuses_all_at_once(tmp_path):
+    """An output_dir that is a file, an empty data file and a bad row: three lines, each naming file, row or key."""
+    empty, bad = tmp_path / "empty", tmp_path / "bad"
+    empty.mkdir(), bad.mkdir()
+    (empty / "train.jsonl").write_text("")
+    (bad / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    (tmp_path / "a_file").write_text("")
+    config = tmp_path / "my.yaml"
+    config.write_text(
+        f"include: {LORA_TINY}\ndataset: {bad}\neval_file: {empty / 'train.jsonl'}\noutput_dir: {tmp_path / 'a_file'}\n"
+    )
+    code, lines = _validate_lines(config)
+    assert code == 2 and lines == [
+        f"error: output_dir: '{tmp_path / 'a_file'}' is a file, not a directory; point output_dir at a new or "
+        "existing directory",
+        f"       {bad / 'train.jsonl'}: row 2: missing field 'completion'; fix the row or set skip_invalid_rows: true",
+        f"       {empty / 'train.jsonl'}: the file is empty (no rows); put rows in it or point dataset elsewhere",
+    ], lines
+
+
+def test_skip_invalid_rows_lets_validate_pass_rows_it_would_drop_but_not_an_all_bad_file(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "a"}\n')
+    config = tmp_path / "my.yaml"
+    config.write_text(f"include: {LORA_TINY}\ndataset: {data}\nskip_invalid_rows: true\noutput_dir: {tmp_path / 'o'}\n")
+    code, lines = _validate_lines(config)
+    assert code == 2 and lines == [
+        f"error: {data / 'train.jsonl'}: no row left to train on (1 missing field dropped); fix the data"
+    ], lines
+    (data / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    from fsdp_peft.cli import main
+
+    main(["validate", str(config)])
+    assert capsys.readouterr().out.strip() == f"{config}: ok"
+
+
+@pytest.mark.parametrize("data_format", ["auto", "messages", "sharegpt"])
+def test_an_empty_data_file_stops_the_launch_in_one_line_naming_it(data_format, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("\n")
+    config = tmp_path / "my.yaml"
+    config.write_text(f"include: {LORA_TINY}\ndataset: {data}\ndata_format: {data_format}\n")
+    from fsdp_peft.data.sources import data_sources, read_source
+
+    recipe, _ = parse_recipe_config(["--config", str(config), "--output_dir", str(tmp_path / "o")], config, "o")
+    with pytest.raises(ConfigError) as error:
+        read_source(data_sources(recipe)[0])  # what the launch's data step reads first, whatever the format
+    assert (
+        str(error.value)
+        == f"{data / 'train.jsonl'}: the file is empty (no rows); put rows in it or point dataset elsewhere"
+    )

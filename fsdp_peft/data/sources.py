@@ -155,6 +155,8 @@ def read_source(source: Source, hub_splits: dict[Source, Dataset] | None = None)
             if path.suffix not in DATA_EXTENSIONS:
                 raise ConfigError(f"{path}: unknown data file type; use .jsonl, .json, .parquet or .csv")
             table = _read_json_rows(path) if DATA_EXTENSIONS[path.suffix] == "json" else _read_table(path)
+            if len(table) == 0:
+                raise ConfigError(f"{path}: the file is empty (no rows); put rows in it or point dataset elsewhere")
             parts.append((str(path), table))
     return [(where, renamed(table, source.renames, where)) for where, table in parts]
 

@@ -122,8 +122,13 @@ def encode_source(
         parts.append(encoded)
     encoded = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if len(encoded) == 0:
-        raise ConfigError(f"{source}: no row left to train on ({describe_dropped(dropped)} dropped); fix the data")
+        raise ConfigError(nothing_left_to_train_on(source, dropped))
     return encoded.remove_columns(["reason", "error"]), dropped
+
+
+def nothing_left_to_train_on(source: Source, dropped: Counter) -> str:
+    """The problem of a source whose every row was dropped as bad."""
+    return f"{source}: no row left to train on ({describe_dropped(dropped)} dropped); fix the data"
 
 
 def describe_dropped(dropped: Counter) -> str:
