@@ -322,6 +322,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
 
 
 INCLUDE_KEY = "include"
+DATA_PATH_KEYS = ("dataset", "train_file", "eval_file")  # read beside the config file that sets them
 LIST_KEYS = (
     "lora_target_modules",
     "lora_target_parameters",
@@ -346,12 +347,22 @@ def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
     unknown = [_unknown_key_error(str(key), str(path)) for key in values if key not in valid and key != INCLUDE_KEY]
     if unknown:
         raise ConfigError("\n       ".join(map(str, unknown)))
+    values = {key: _beside_the_config(value, path) if key in DATA_PATH_KEYS else value for key, value in values.items()}
     if INCLUDE_KEY not in values:
         return values
     base = _include_path(values.pop(INCLUDE_KEY), path)
     if base.resolve() in {p.resolve() for p in (*included_from, path)}:
         raise ConfigError(f"{path}: include: {base} includes itself (through {' -> '.join(map(str, included_from))})")
     return {**read_yaml_config(base, (*included_from, path)), **values}
+
+
+def _beside_the_config(value, config: Path):
+    """A relative data path in a config file means the file's directory (as ``include:`` does), where it exists there;
+    else it is left to the working directory, as a command-line value is."""
+    if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute() or value.startswith("~"):
+        return value
+    beside = config.parent / value
+    return str(beside) if beside.exists() else value
 
 
 def _include_path(value, including: Path) -> Path:

@@ -137,7 +137,7 @@ def _data_files_exist(context: RuleContext) -> str | None:
         value = getattr(recipe, key)
         path = Path(value).expanduser() if value is not None else None
         if path is not None and not path.exists():
-            return f"{key}: file not found: {value}"
+            return f"{key}: file not found: {value} ({_where_looked()})"
         if path is not None and path.is_file() and path.suffix not in DATA_EXTENSIONS:
             return f"{key}: '{value}' is not a data file ({kinds}); convert it or point {key} at one"
         if path is not None and path.is_dir() and not data_files_in(path):
@@ -147,14 +147,18 @@ def _data_files_exist(context: RuleContext) -> str | None:
         path = Path(dataset).expanduser()
         if not path.exists():
             return (
-                f"dataset: '{dataset}' is neither '{TINY_DATASET_NAME}' nor a directory or data file that exists; "
-                "fix the path, or name a hub dataset as owner/name"
+                f"dataset: '{dataset}' is neither '{TINY_DATASET_NAME}' nor a directory or data file that exists "
+                f"({_where_looked()}); fix the path, or name a hub dataset as owner/name"
             )
         if path.is_dir() and not any(data_files_in(p) for p in (path, path / "train") if p.is_dir()):
             return f"dataset: directory '{dataset}' holds no {kinds} files (nor a train/ directory of them)"
         if path.is_file() and path.suffix not in DATA_EXTENSIONS:
             return f"dataset: '{dataset}' is not a data file ({kinds}); convert it or point dataset at one"
     return None
+
+
+def _where_looked() -> str:
+    return f"looked beside the config file that sets it, then in the working directory {Path.cwd()}"
 
 
 def _data_settings_are_known(context: RuleContext) -> str | None:

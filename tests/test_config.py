@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, procedure_of, run_command
-from fsdp_peft.config import read_yaml_config
+from fsdp_peft.config import read_yaml_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.validation import check_before_training
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
+LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 
 
 def test_command_line_overrides_win_over_the_yaml(tmp_path):
@@ -178,3 +180,29 @@ def test_a_user_error_is_said_once_by_the_first_rank_and_by_another_only_if_it_i
             main()
         assert exit_.value.code == errors.USER_ERROR_EXIT_CODE
         assert capsys.readouterr().err.startswith(expected)
+
+
+def test_a_relative_data_path_in_a_config_means_its_directory_then_the_working_directory(tmp_path, monkeypatch):
+    """As ``include:`` does: a config beside its data runs from any directory; the working directory is the fallback,
+    and a path found in neither is refused naming both places."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True), elsewhere.mkdir()
+    (project / "data" / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    config = project / "my.yaml"
+    config.write_text(f"include: {LORA_TINY}\ndataset: data\n")
+    monkeypatch.chdir(elsewhere)
+    recipe, _, _ = resolve_recipe_config(["--config", str(config)], config, "out")
+    assert recipe.dataset == str(project / "data")
+    (elsewhere / "cwd_data").mkdir()
+    config.write_text(f"include: {LORA_TINY}\ndataset: cwd_data\n")
+    recipe, _, _ = resolve_recipe_config(["--config", str(config)], config, "out")
+    assert recipe.dataset == "cwd_data"
+    config.write_text(f"include: {LORA_TINY}\ndataset: ./missing\n")
+    recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, "out")
+    with pytest.raises(ConfigError) as error:
+        check_before_training(recipe, training)
+    assert str(error.value) == (
+        "dataset: './missing' is neither 'tiny-reverse' nor a directory or data file that exists (looked beside the "
+        f"config file that sets it, then in the working directory {elsewhere}); fix the path, or name a hub dataset "
+        "as owner/name"
+    )
