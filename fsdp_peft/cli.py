@@ -15,6 +15,8 @@ from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.unreachable_hub import hub_data_out_of_reach_noted
 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
+DESCRIPTION = "tools around the fsdp-peft recipes: list, copy, check and plan configs; export, generate, evaluate"
+CONFIG_HELP = "the recipe YAML to check (a path, e.g. from `fsdp-peft cp`)"  # --help is plain text, not reST
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
 
 
@@ -138,14 +140,15 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _tiny(args: argparse.Namespace) -> None:
-    from fsdp_peft.paths import tiny_model_path  # lazy: ls/cp must not import torch
+    from fsdp_peft.paths import tiny_colors_path, tiny_model_path  # lazy: ls/cp must not import torch
+    from fsdp_peft.tiny_vision import TINY_COLORS_NAME  # lazy: ls/cp must not import torch
 
-    print(tiny_model_path(args.name))
+    print(tiny_colors_path() if args.name == TINY_COLORS_NAME else tiny_model_path(args.name))
 
 
 @exits_cleanly_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fsdp-peft", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fsdp-peft", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("ls", help="list the shipped recipes and configs, one line each")
     listing.set_defaults(run=_list)
@@ -174,12 +177,14 @@ def main(argv: list[str] | None = None) -> None:
 def _add_model_commands(commands) -> None:
     """The commands that read configs and models (their parsers need torch and transformers)."""
     from fsdp_peft.config import GATHER_BUDGET_HELP  # lazy: ls/cp must not import torch
-    from fsdp_peft.tiny import TINY_MODEL_NAME, TINY_MODEL_NAMES  # lazy: ls/cp must not import torch
+    from fsdp_peft.paths import EMBEDDED_MODEL_NAMES  # lazy: ls/cp must not import torch
+    from fsdp_peft.tiny import TINY_MODEL_NAME  # lazy: ls/cp must not import torch
+    from fsdp_peft.tiny_vision import TINY_COLORS_NAME  # lazy: ls/cp must not import torch
 
     validate = commands.add_parser(
         "validate", help="check a recipe YAML without loading any weights; every problem at once"
     )
-    validate.add_argument("config", type=Path)
+    validate.add_argument("config", type=Path, help=CONFIG_HELP)
     validate.add_argument(
         "--accelerate-config",
         type=Path,
@@ -192,7 +197,7 @@ def _add_model_commands(commands) -> None:
         help="estimate per-GPU and host memory of a recipe config and whether it fits (exit 1 if not); "
         "no weights loaded",
     )
-    plan.add_argument("config", type=Path)
+    plan.add_argument("config", type=Path, help="the recipe YAML to plan (a path, e.g. from `fsdp-peft cp`)")
     plan.add_argument("--gpus", type=int, metavar="N", help="GPUs (ranks); default: the accelerate config's, else 1")
     plan.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU, e.g. 24GiB or 80GB")
     plan.add_argument(
@@ -281,7 +286,11 @@ def _add_model_commands(commands) -> None:
     )
     evaluate.add_argument("--limit", type=int, metavar="N", help="the first N documents of each task")
     evaluate.add_argument(
-        "--out", type=Path, default=Path("eval_results"), metavar="DIR", help="where results go (eval_results)"
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where results go; default: inside the run, SOURCE/eval (OUTPUT_DIR/eval/NAME for a run's adapter/ or "
+        "checkpoint-N/; .../base-only with --base-only), never the current directory",
     )
     evaluate.add_argument(
         "--base-only", action="store_true", help="evaluate the adapter's base alone (the before of a before/after)"
@@ -295,8 +304,17 @@ def _add_model_commands(commands) -> None:
     evaluate.add_argument("--batch-size", type=int, default=32, help="requests per forward or generate call per rank")
     evaluate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     evaluate.set_defaults(run=_eval)
-    tiny = commands.add_parser("tiny-model", help="build an embedded tiny model (once) and print its path")
-    tiny.add_argument("name", nargs="?", default=TINY_MODEL_NAME, choices=TINY_MODEL_NAMES)
+    tiny = commands.add_parser(
+        "tiny-model", help="build an embedded tiny model or the image task tiny-colors (once) and print its path"
+    )
+    # every name a config's model_name_or_path (or a vision recipe's dataset) may give, so each can be inspected
+    tiny.add_argument(
+        "name",
+        nargs="?",
+        default=TINY_MODEL_NAME,
+        choices=[*EMBEDDED_MODEL_NAMES, TINY_COLORS_NAME],
+        help=f"an embedded model, or {TINY_COLORS_NAME} (the image task's directory); default: {TINY_MODEL_NAME}",
+    )
     tiny.set_defaults(run=_tiny)
 
 

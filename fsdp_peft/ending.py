@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from fsdp_peft.export import export_merged
-from fsdp_peft.log import logger
+from fsdp_peft.log import counted, logger
 from fsdp_peft.paths import resolve_model_path
 from fsdp_peft.run_file_names import HARNESS_DIR, HARNESS_LOG_PREFIX, LOSS_CURVE_FILE, RESULTS_FILE
 
@@ -83,7 +83,7 @@ def summary(results: dict, output_dir: Path, procedure_lines: Callable[[dict, Pa
         tokens = f"{results['tokens']:,} tokens, " if results["tokens"] else "n/a tokens, "
     last = "" if results["last_train_loss"] is None else f", last logged {results['last_train_loss']:.4f}"
     lines = [
-        f"{results['recipe']}: {results['steps']} steps, {tokens}{results['train_seconds']:.1f} s training "
+        f"{results['recipe']}: {counted(results['steps'], 'step')}, {tokens}{results['train_seconds']:.1f} s training "
         f"({results['total_seconds']:.1f} s in all)",
         f"{results.get('loss_name', 'train')} loss {results['train_loss']:.4f} (mean over the run){last}",
     ]
@@ -139,7 +139,7 @@ def harness_lines(results: dict) -> list[str]:
         shown = "; ".join(f"{task} {_figures(figures)}" for task, figures in entry.items() if task != "step")
         lines.append(f"harness at step {entry['step']}: {shown}")
     for name, figures in results["eval_tasks"].items():
-        lines.append(f"harness {name} on {figures['samples']} documents: {_figures(figures)}")
+        lines.append(f"harness {name} on {counted(figures['samples'], 'document')}: {_figures(figures)}")
     lines.append(f"harness results: {results['eval_tasks_results']}")
     return lines
 

@@ -52,9 +52,10 @@ from fsdp_peft.generation import (
     parse_gather_budget,
 )
 from fsdp_peft.inference import load_for_generation
-from fsdp_peft.log import logger
+from fsdp_peft.log import counted, logger
 from fsdp_peft.modeling import local_device
 from fsdp_peft.run_file_names import HARNESS_DIR, HARNESS_LOG_PREFIX
+from fsdp_peft.runs import RUN_FILE
 
 EVAL_FILE = "eval.json"
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default, for a generate_until task that sets none
@@ -389,7 +390,7 @@ def run_eval(args) -> None:
     """The ``eval`` command: check the tasks, join the process group, load (and shard) SOURCE, evaluate."""
     world = ranks().world_size
     tasks = load_tasks(_task_specs(args.tasks), args.include_path or [], args.limit, world)
-    out = _output_dir(args.out)
+    out = _output_dir(args.out if args.out is not None else default_output_dir(args.source, args.base_only))
     start_process_group()
     try:
         device = local_device()
@@ -408,7 +409,7 @@ def run_eval(args) -> None:
         summary = evaluate_tasks(lm, tasks, out, model_args, chat, args.limit, gen_kwargs, about)
         if summary is not None:
             logger.info(
-                f"{sum(task['samples'] for task in summary['tasks'].values())} samples in "
+                f"{counted(sum(task['samples'] for task in summary['tasks'].values()), 'sample')} in "
                 f"{summary['evaluate_seconds']:.1f} s ({summary['seconds_per_sample'] * 1000:.1f} ms per sample)"
             )
             logger.info(f"results: {out / EVAL_FILE} and {summary['results_file']}")
@@ -420,6 +421,25 @@ def run_eval(args) -> None:
 
 def _task_specs(text: str) -> list[str]:
     return [spec.strip() for spec in (text or "").split(",") if spec.strip()]
+
+
+def default_output_dir(source: Path, base_only: bool = False) -> Path:
+    """Where ``eval`` writes without ``--out``: inside the evaluated run, never the current directory, where
+    results would land in whatever checkout it is (and overwrite the last evaluation's files there).
+
+    ``SOURCE/eval``; for a run's ``adapter/`` or ``checkpoint-N/``, ``<output_dir>/eval/<its name>``, beside the
+    run's own harness files, so that checkpoint rotation does not delete them; ``.../base-only`` for the base.
+    """
+    source = Path(source)
+    if not source.exists():
+        raise ConfigError(f"SOURCE: {source} does not exist")
+    if not source.is_dir():
+        raise ConfigError(
+            f"SOURCE: {source} is not a directory; give a run's directory, or say where results go with --out DIR"
+        )
+    in_a_run = (source.parent / RUN_FILE).is_file()
+    folder = source.parent / HARNESS_DIR / source.name if in_a_run else source / HARNESS_DIR
+    return folder / "base-only" if base_only else folder
 
 
 def _output_dir(path: Path) -> Path:

@@ -81,6 +81,11 @@ def configure_for_training(args) -> None:
     configure_logging(args.log_level, args.log_level_replica, args.log_on_each_node, "stdout")
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 checkpoint``, ``2 checkpoints``: a count as a user reads it (``noun`` singular, plural by ``s``)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def tell(line: str) -> None:
     """Notes and warnings, through the logger (stderr under ``fsdp-peft export``/``generate``: stdout stays
     the command's output)."""

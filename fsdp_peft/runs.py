@@ -48,7 +48,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from fsdp_peft.distributed import ranks
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.log import logger
+from fsdp_peft.log import counted, logger
 from fsdp_peft.run_file_names import EVAL_SAMPLES_FILE, HARNESS_DIR, LOSS_CURVE_FILE, RESULTS_FILE, SAMPLES_FILE
 
 RUN_FILE = "fsdp_peft_run.json"
@@ -173,7 +173,7 @@ def _describe(record: dict | None, output_dir: Path) -> str:
     started = f" started {record['started']}" if record and record.get("started") else ""
     who = f"run {record['run_id']}{started}" if record else "a run fsdp-peft did not record"
     finished = ", adapter/ saved" if (Path(output_dir) / "adapter").is_dir() else ""
-    return f"{who} ({len(checkpoints)} checkpoints{finished})"
+    return f"{who} ({counted(len(checkpoints), 'checkpoint')}{finished})"
 
 
 def _lock_holder(path: Path) -> str:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO, run_command
 
+# beside this interpreter, not on PATH: pytest run as .venv/bin/python without activating the venv finds it too
+CONSOLE_SCRIPT = Path(sys.executable).parent / "fsdp-peft"
+
 
 def test_validate_accepts_a_shipped_config_and_rejects_a_broken_one(tmp_path):
-    exe = shutil.which("fsdp-peft")
-    assert exe, "the console script is installed with the package"
+    exe = str(CONSOLE_SCRIPT)
+    assert CONSOLE_SCRIPT.is_file(), f"{CONSOLE_SCRIPT}: the console script is installed with the package"
     good = run_command([exe, "validate", str(REPO / "configs" / "llama_qlora" / "llama3_1_8b.yaml")], timeout=120)
     assert good.returncode == 0 and good.stdout.strip().endswith("llama3_1_8b.yaml: ok")
     bad = tmp_path / "bad.yaml"
@@ -24,8 +28,8 @@ def test_validate_accepts_a_shipped_config_and_rejects_a_broken_one(tmp_path):
 
 
 def _cli(*args: str):
-    exe = shutil.which("fsdp-peft")
-    assert exe, "the console script is installed with the package"
+    exe = str(CONSOLE_SCRIPT)
+    assert CONSOLE_SCRIPT.is_file(), f"{CONSOLE_SCRIPT}: the console script is installed with the package"
     return run_command([exe, *args], timeout=120)
 
 
@@ -114,3 +118,28 @@ def test_an_error_is_one_whole_line_on_stderr(tmp_path, command):
     assert all(line.startswith(("error: ", "warning")) or not line for line in result.stderr.split("\n")), repr(
         result.stderr
     )
+
+
+def test_tiny_model_builds_every_embedded_name_and_the_image_task(capsys):
+    """A vision-language model's or the image task's name, as the configs give them, is accepted too."""
+    from fsdp_peft.cli import main
+
+    main(["tiny-model", "tiny-qwen2.5-vl"])
+    model = Path(capsys.readouterr().out.strip())
+    assert model.name.startswith("tiny-qwen2.5-vl-") and (model / "model.safetensors").is_file()
+    main(["tiny-model", "tiny-colors"])
+    colors = Path(capsys.readouterr().out.strip())
+    assert colors.name.startswith("tiny-colors-") and (colors / "eval.jsonl").is_file()
+
+
+def test_help_is_plain_text_and_describes_the_config_argument(capsys):
+    from fsdp_peft.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "tools around the fsdp-peft recipes" in top  # no reST markup from a docstring
+    for command in ("validate", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "config                the recipe YAML to " in capsys.readouterr().out

@@ -550,7 +550,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         assert shown == ["reverse: hello", "reverse: abcde"], output[-3000:]
     elif match := re.search(r"fsdp(?:-peft|_peft\.cli) eval (\S+)", command):
         out = re.search(r"--out (\S+)", command)
-        summary = json.loads((workspace / (out.group(1) if out else "eval_results") / "eval.json").read_text())
+        default = Path(match.group(1)) / "eval" / ("base-only" if "--base-only" in command else "")  # in the run
+        summary = json.loads((workspace / (out.group(1) if out else default) / "eval.json").read_text())
         assert summary["source"] == match.group(1) and summary["base_only"] == ("--base-only" in command)
         tasks = re.search(r"--tasks (\S+)", command).group(1)
         expected = {"tiny_reverse_em", "tiny_reverse_ll"} if tasks == "tiny_reverse" else set(tasks.split(","))
@@ -690,3 +691,31 @@ def test_the_readmes_layout_names_every_module_of_the_package():
     missing = [p.name for p in modules if f"fsdp_peft/{p.name}" not in layout]
     missing += [p.name for p in packages if f"fsdp_peft/{p.name}/" not in layout]
     assert not missing, f"README's layout table does not name: {missing}"
+
+
+RUN_OUTPUT_NAMES = re.compile(r"(^|/)((outputs|eval_results|merged)/|__tmp__)")  # what runs and tests write
+
+
+def test_no_tracked_file_lies_where_runs_write():
+    """A run's output tracked in git is overwritten by the next run in the checkout (``eval_results/eval.json``
+    once was); ``.gitignore`` keeps them out."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    tracked = [path for path in listed.splitlines() if RUN_OUTPUT_NAMES.search(path)]
+    assert not tracked, "run outputs tracked in git (git rm --cached them; .gitignore their folder):\n" + "\n".join(
+        tracked
+    )
+
+
+def test_every_module_path_the_configs_mention_exists():
+    """A config's comment that points at ``fsdp_peft/....py`` sends a reader to a module that is there."""
+    mentions = [
+        (config, path)
+        for config in sorted((REPO / "configs").rglob("*"))
+        if config.is_file()
+        for path in re.findall(r"\bfsdp_peft/[\w/]+\.py\b", config.read_text())
+    ]
+    assert mentions, "the configs point at modules; a pattern that finds none checks nothing"
+    missing = [f"{config.relative_to(REPO)}: {path}" for config, path in mentions if not (REPO / path).is_file()]
+    assert not missing, "configs name modules that do not exist:\n" + "\n".join(missing)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -23,7 +24,8 @@ import pytest
 from conftest import launch_recipe, read_json, run_command, torchrun_command
 from fsdp_peft.cli import main
 from fsdp_peft.data.templates import render_prompt
-from fsdp_peft.evaluation import EVAL_FILE
+from fsdp_peft.evaluation import EVAL_FILE, default_output_dir
+from fsdp_peft.runs import RUN_FILE
 
 STEPS = 90
 CLI = [sys.executable, "-m", "fsdp_peft.cli", "eval"]
@@ -474,3 +476,21 @@ def test_eval_tasks_on_the_tpu_route_are_refused_in_one_line(tmp_path, monkeypat
         'eval_tasks: the harness does not run on XLA (PJRT_DEVICE=CPU) yet; train without it (--eval_tasks "" '
         "--eval_tasks_steps 0) and evaluate the exported model with fsdp-peft eval on GPUs or CPUs (docs/eval.md)"
     )
+
+
+def test_without_out_the_results_go_into_the_evaluated_run_not_the_current_directory(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """The default once was ``./eval_results``: run from a checkout, it overwrote the files tracked there."""
+    source = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, source)  # a merged model directory of its own: the cache's stays as it is
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = evaluate_here(str(source), "--tasks", "tiny_reverse_em", "--limit", "2")
+    assert code == 0, stderr[-4000:]
+    assert read_json(source / "eval" / EVAL_FILE)["tasks"]["tiny_reverse_em"]["samples"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    (source / RUN_FILE).write_text("{}")  # a training output_dir: its adapter's and checkpoints' results go beside
+    for name in ("adapter", "checkpoint-4"):
+        (source / name).mkdir()
+        assert default_output_dir(source / name) == source / "eval" / name
+    assert default_output_dir(source / "adapter", base_only=True) == source / "eval" / "adapter" / "base-only"

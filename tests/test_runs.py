@@ -356,6 +356,15 @@ def test_a_refused_start_leaves_even_the_lock_file_as_it_was(tmp_path):
     assert tree(out) == before
 
 
+def test_a_refused_start_counts_the_checkpoints_it_found_in_words(tmp_path):
+    out = a_finished_run(tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"\(1 checkpoint, adapter/ saved\)"):  # once "1 checkpoints"
+        claim(out)
+    (out / "checkpoint-4").mkdir()
+    with pytest.raises(ConfigError, match=r"\(2 checkpoints, adapter/ saved\)"):
+        claim(out)
+
+
 START_THEN = """
 import os, signal, sys, time
 from pathlib import Path
