@@ -14,6 +14,7 @@ loaded (`fsdp_peft.evaluation` runs them); it needs no model, so `fsdp_peft.vali
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
@@ -161,7 +162,8 @@ def _load_one(manager: TaskManager, spec: str, key: str) -> dict | None:
     """``manager.load([spec])``; a task whose data does not load (no network, a missing file) is a `ConfigError`,
     except data on the hub out of reach under `hub_data_out_of_reach_noted` (a warning, and ``None``)."""
     try:
-        return manager.load([spec])
+        with _from_the_cache_only() if out_of_reach_noted() else contextlib.nullcontext():
+            return manager.load([spec])
     except ConfigError:
         raise
     except Exception as error:  # the harness raises whatever the dataset library or the YAML raised
@@ -179,6 +181,21 @@ def _load_one(manager: TaskManager, spec: str, key: str) -> dict | None:
             "without network, give the task local data (custom_dataset, or dataset_kwargs.data_files with an "
             "absolute path) or fill the Hugging Face cache first (HF_DATASETS_OFFLINE=1 then reads it)"
         ) from None
+
+
+@contextlib.contextmanager
+def _from_the_cache_only():
+    """The hub in offline mode: ``fsdp-peft validate`` reads a task's data from the cache and notes what is not there
+    at once, where a machine without network would spend half a minute on the hub client's retries."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _out_of_reach(error: BaseException) -> bool:
