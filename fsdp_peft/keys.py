@@ -218,6 +218,11 @@ def _checked_keys(values: dict, hints: dict[str, Any]):
         yield key, value, hint
 
 
+def ill_typed_keys(values: dict, hints: dict[str, Any]) -> list[str]:
+    """The keys whose value has the wrong type (`type_problems` says how)."""
+    return [key for key, value, hint in _checked_keys(values, hints) if not _matches(value, hint)]
+
+
 def type_problems(values: dict, hints: dict[str, Any]) -> list[str]:
     """One message per key whose value has the wrong type: what every later check assumes away."""
     problems = []

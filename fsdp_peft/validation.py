@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
-from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT
+from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT, unset_training_values
 from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.data.formats import DATA_FORMATS, source_examples
 from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, data_sources, is_local_path, read_source
@@ -41,7 +41,7 @@ from fsdp_peft.fsdp_settings import (
     rule_context,
     truthy,
 )
-from fsdp_peft.keys import field_types, key_problems, type_problems, unknown_choice, value_problems
+from fsdp_peft.keys import field_types, ill_typed_keys, key_problems, type_problems, unknown_choice, value_problems
 from fsdp_peft.loading import low_memory_loading_requested
 from fsdp_peft.moe import (
     expert_adapters_are_plain_lora,
@@ -845,18 +845,30 @@ def check_keys(recipe, training: dict) -> None:
         raise ConfigError("\n       ".join(problems))
 
 
+def _at_their_defaults(recipe, training: dict, keys: list[str]):
+    """``recipe`` and ``training`` with ``keys`` at the values they take when no config sets them."""
+    fields = {field.name for field in dataclasses.fields(recipe)}
+    recipe = dataclasses.replace(recipe, **{key: getattr(type(recipe)(), key) for key in keys if key in fields})
+    unset = unset_training_values()
+    return recipe, {key: unset.get(key) if key in keys else value for key, value in training.items()}
+
+
 def check_before_training(recipe, training: dict, with_model_structure: bool = False, procedure: str = SFT) -> None:
     """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line); ``with_model_structure``
     (``fsdp-peft validate``) also checks the model's architecture (`model_structure_problems`) and the data's rows
     (`data_row_problems`), which the launch checks in its own steps.
 
-    Wrong types come first, alone: the rules combine keys and assume well-typed ones. Values out of range or
-    choice are listed with the rules' problems.
+    Wrong types come first; the rules, which combine keys and assume well-typed ones, then see those keys at their
+    defaults, so that every other problem is listed with them. Values out of range or choice follow.
     """
     values, hints = {**dataclasses.asdict(recipe), **training}, field_types(type(recipe), TrainingArguments)
-    if problems := type_problems(values, hints):
-        raise ConfigError("\n       ".join(problems))
+    typed, ill_typed = type_problems(values, hints), ill_typed_keys(values, hints)
+    if ill_typed:
+        recipe, training = _at_their_defaults(recipe, training, ill_typed)
+        values = {**dataclasses.asdict(recipe), **training}
     problems = value_problems(values, hints) + config_problems(recipe, training, procedure)
     problems += model_structure_problems(recipe) + data_row_problems(recipe, procedure) if with_model_structure else []
+    # an ill-typed key's type line speaks for it: what the rules say of its default is not the user's problem
+    problems = typed + [problem for problem in problems if problem.split(":", 1)[0] not in ill_typed]
     if problems:
         raise ConfigError("\n       ".join(problems))

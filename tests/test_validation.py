@@ -680,3 +680,19 @@ def test_an_empty_data_file_stops_the_launch_in_one_line_naming_it(data_format, 
         str(error.value)
         == f"{data / 'train.jsonl'}: the file is empty (no rows); put rows in it or point dataset elsewhere"
     )
+
+
+def test_a_wrong_type_does_not_hide_the_other_problems(tmp_path):
+    """The rules see an ill-typed key at its default, so the type line comes first and the rest follow it."""
+    (tmp_path / "a_file").write_text("")
+    config = tmp_path / "my.yaml"
+    config.write_text(
+        f"include: {LORA_TINY}\nlora_alpha: [1, 2]\noutput_dir: {tmp_path / 'a_file'}\ndataset: /no/such/data\n"
+    )
+    code, lines = _validate_lines(config)
+    assert code == 2 and [line.split(":")[0].strip() for line in lines] == [
+        "error",
+        "dataset",
+        "output_dir",
+    ], lines
+    assert lines[0] == "error: lora_alpha: expected a whole number, got [1, 2] (list)", lines
