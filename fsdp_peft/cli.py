@@ -132,8 +132,18 @@ def _plan(args: argparse.Namespace) -> None:
     from fsdp_peft.safetensors_io import parse_size  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
+    size = parse_size(args.gpu_memory, "--gpu-memory")
     with _environment(launcher):
-        plan = plan_memory(args.config, args.gpus, parse_size(args.gpu_memory, "--gpu-memory"))
+        plan = plan_memory(args.config, args.gpus, size, args.low_memory_loading, args.offload)
+    source = args.accelerate_config or "the recipe YAML"  # a flag overrides either, as accelerate launch's would
+    assumed = []
+    for name, flag, on, given in (
+        ("low-memory loading", "low-memory-loading", plan.low_memory_loading, args.low_memory_loading),
+        ("offload", "offload", plan.offload_params, args.offload),
+    ):
+        origin = source if given is None else f"--{'' if given else 'no-'}{flag}"
+        assumed.append(f"{name} {'on' if on else 'off'} (from {origin})")
+    plan.notes.append("assumed: " + ", ".join(assumed))
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
     if not plan.fits:
         sys.exit(1)  # scripts can branch on the verdict; user errors exit 2
@@ -206,6 +216,17 @@ def _add_model_commands(commands) -> None:
         metavar="FILE",
         help="read FSDP settings (offload, activation checkpointing, loading) and world size from this "
         "accelerate config",
+    )
+    plan.add_argument(
+        "--low-memory-loading",
+        action=argparse.BooleanOptionalAction,
+        help="plan with fsdp_cpu_ram_efficient_loading on (rank 0 reads, each GPU receives its shards) or off; "
+        "default: as the accelerate config or recipe YAML says",
+    )
+    plan.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        help="plan with fsdp_offload_params on or off; default: as the accelerate config or recipe YAML says",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)

@@ -100,6 +100,7 @@ class MemoryPlan:
     suggestions: list[dict] = field(default_factory=list)
     longest_sequence: int | None = None  # SFT: the longest max_seq_length that fits, all else as planned
     gpu_loading: int = 0  # ordinary loading: each GPU holds the whole model before FSDP shards it (`loading_bytes`)
+    low_memory_loading: bool = False  # fsdp_cpu_ram_efficient_loading: rank 0 reads, each GPU receives its shards
 
     @property
     def gpu_total(self) -> int:
@@ -385,17 +386,25 @@ def load_model_config(name: str, trust_remote_code: bool = False):
         ) from None
 
 
-def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryPlan:
+def plan_memory(
+    config_path,
+    world_size: int | None,
+    gpu_memory: int,
+    low_memory_loading: bool | None = None,
+    offload_params: bool | None = None,
+) -> MemoryPlan:
     """Plan the recipe config at ``config_path`` on ``world_size`` GPUs of ``gpu_memory`` bytes each.
 
     FSDP and mixed-precision settings come from the YAML or, under an accelerate config, from the
     ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
+    ``low_memory_loading`` and ``offload_params``, where not ``None``, override the settings'
+    ``cpu_ram_efficient_loading`` and ``offload_params`` (as ``accelerate launch --fsdp_... true`` would).
     A config whose ``fsdp_config`` asks for the TPU route is planned as on XLA (chips as ranks) wherever it runs.
     """
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
     if asks_for_xla(training) and not on_xla():  # a TPU config: planned per chip wherever it is planned
         with xla_assumed():
-            plan = plan_memory(config_path, world_size, gpu_memory)
+            plan = plan_memory(config_path, world_size, gpu_memory, low_memory_loading, offload_params)
         plan.notes.append(f"planned for the TPU route its fsdp_config asks for ({DEVICE_VARIABLE} is not set here)")
         return plan
     check_keys(recipe, training)
@@ -426,7 +435,7 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
         which = "eager" if recipe.attn_implementation == "eager" else f"auto (eager for {base_class.__name__})"
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
     checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
-    offload = bool(settings and settings.offload_params)
+    offload = bool(settings and settings.offload_params) if offload_params is None else offload_params
     if is_vision_config(model_config):
         notes.append(
             "vision-language model: image tokens count within max_seq_length; the vision tower and projector are "
@@ -516,7 +525,10 @@ def plan_memory(config_path, world_size: int | None, gpu_memory: int) -> MemoryP
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
-    low_memory = bool(settings and settings.cpu_ram_efficient_loading)
+    low_memory = (
+        bool(settings and settings.cpu_ram_efficient_loading) if low_memory_loading is None else low_memory_loading
+    )
+    plan.low_memory_loading = low_memory
     ranks_per_node = min(ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
     plan.host = {
         "loading: checkpoint copies (est.)": full_model_bytes * (1 if low_memory else ranks_per_node),
@@ -635,7 +647,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  base parameters {c.base_parameters:,}; adapter parameters {c.adapter_parameters:,}; "
         f"optimizer {plan.optimizer}; "
         f"{plan.tokens_per_rank:,} tokens per rank per micro-batch; activation checkpointing "
-        f"{'on' if plan.activation_checkpointing else 'off'}; offload {'on' if plan.offload_params else 'off'}",
+        f"{'on' if plan.activation_checkpointing else 'off'}; offload {'on' if plan.offload_params else 'off'}; "
+        f"low-memory loading {'on' if plan.low_memory_loading else 'off'}",
         "",
         f"  {'per GPU (largest rank)':<40} {'bytes':>14} {'':>11}",
     ]

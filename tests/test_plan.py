@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -255,3 +257,75 @@ def test_ordinary_loading_puts_the_whole_model_on_each_gpu_and_the_verdict_says_
     with _environment(low_memory):
         plan = plan_memory(config, 2, 16 * 2**30)
     assert plan.gpu_loading == 0 and plan.fits
+
+
+# Real-model configs, as tests/test_recipes_catalog.py lists them (TPU configs: tests/xla/, planned per chip).
+REAL_MODEL_CONFIGS = sorted(
+    p
+    for p in (REPO / "configs").glob("*/*.yaml")
+    if p.parent.name != "accelerate" and p.name != "tiny.yaml" and not p.name.startswith("tpu_")
+)
+GIB = 2**30
+
+
+def header_promise(config: Path) -> tuple[int, int, float, str]:
+    """A real-model config header's GPUs, GB per GPU, expected GiB per GPU and the plan command behind it."""
+    header = config.read_text().split("\n\n")[0]
+    hardware = re.search(r"^# Hardware: (\d+) x (\d+) GB GPUs", header, re.MULTILINE)
+    expected = re.search(r"^# Expected memory per GPU: about (\d+(?:\.\d+)?) GiB", header, re.MULTILINE)
+    command = re.search(r"`(fsdp-peft plan [^`]+)`", header)
+    assert hardware and expected and command, (
+        f"{config}: the header needs '# Hardware: N x SIZE GB GPUs', '# Expected memory per GPU: about X GiB' and "
+        "the `fsdp-peft plan ...` command whose output gives X"
+    )
+    return int(hardware[1]), int(hardware[2]), float(expected[1]), command[1]
+
+
+def readme_row(config: Path) -> list[str]:
+    """The cells of the README's "Real-model configs" row for ``config``."""
+    name = f"{config.parent.name}/{config.name}"
+    table = (REPO / "README.md").read_text().split("### Real-model configs", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith(f"| `{name}` |")]
+    assert len(rows) == 1, f"README.md, Real-model configs: one row for {name} (found {len(rows)})"
+    return [cell.strip() for cell in rows[0].strip("|").split("|")]
+
+
+@pytest.mark.parametrize("config", REAL_MODEL_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_real_config_states_the_memory_its_named_plan_command_prints(config, capsys, monkeypatch):
+    """The header's hardware and expected memory per GPU are what the `fsdp-peft plan` command it names prints
+    (within 10%), on that hardware, and the plan fits; the README row says the same."""
+    monkeypatch.chdir(REPO)  # the commands name paths from the checkout's root
+    gpus, size, expected, command = header_promise(config)
+    words = shlex.split(command)
+    assert words[2] == str(config.relative_to(REPO)), f"{config}: its plan command plans another config: {command}"
+    assert f"--gpus {gpus} --gpu-memory {size}GB" in command, f"{config}: plan it on its hardware: {command}"
+    try:
+        main([*words[1:], "--json"])  # as a shell runs it: the accelerate config, its flags, then plan_memory
+    except SystemExit as exit:
+        assert exit.code == 0, f"{config}: {command} says it does not fit: {capsys.readouterr().out[-600:]}"
+    plan = json.loads(capsys.readouterr().out)
+    peak = plan["gpu_peak"] / GIB
+    assert plan["fits"], f"{config}: {command}: {plan['verdict']}"
+    assert abs(expected - peak) <= 0.1 * peak, f"{config}: the header says {expected} GiB, {command} {peak:.2f} GiB"
+    cells = readme_row(config)
+    assert cells[3] == f"{gpus} x {size} GB", f"README.md: {config.name}'s hardware is {gpus} x {size} GB"
+    stated = re.match(r"~(\d+(?:\.\d+)?) GiB", cells[4])
+    assert stated and float(stated[1]) == expected, f"README.md: {config.name}'s figure is ~{expected} GiB"
+    if "--low-memory-loading" in command:
+        assert "--low-memory-loading" in cells[4], f"README.md: {config.name}'s figure assumes --low-memory-loading"
+
+
+def test_plan_flags_override_the_accelerate_configs_loading_and_offload_and_say_so(capsys):
+    """--low-memory-loading and --offload win over the accelerate config's settings; a note names the source."""
+    config = str(REPO / "configs" / "mixtral_qlora" / "mixtral_8x7b.yaml")
+    fsdp2 = str(REPO / "configs" / "accelerate" / "fsdp2.yaml")
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", config, "--accelerate-config", fsdp2, "--gpu-memory", "48GB"])
+    assert exit.value.code == 1 and "does not fit in 44.70 GiB per GPU while loading" in capsys.readouterr().out
+    main(["plan", config, "--accelerate-config", fsdp2, "--gpu-memory", "48GB", "--low-memory-loading", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["low_memory_loading"] and plan["gpu_loading"] == 0
+    assert f"assumed: low-memory loading on (from --low-memory-loading), offload off (from {fsdp2})" in plan["notes"]
+    main(["plan", config, "--accelerate-config", fsdp2, "--gpu-memory", "48GB", "--low-memory-loading", "--offload"])
+    shown = capsys.readouterr().out
+    assert "offload on; low-memory loading on" in shown and "offload on (from --offload)" in shown
