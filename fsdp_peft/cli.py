@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from fsdp_peft.catalog import copy_shipped, shipped
+from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, GATHER_BUDGET_HELP, TINY_COLORS_NAME, TINY_MODEL_NAME
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.unreachable_hub import hub_data_out_of_reach_noted
 
@@ -151,7 +152,6 @@ def _plan(args: argparse.Namespace) -> None:
 
 def _tiny(args: argparse.Namespace) -> None:
     from fsdp_peft.paths import tiny_colors_path, tiny_model_path  # lazy: ls/cp must not import torch
-    from fsdp_peft.tiny_vision import TINY_COLORS_NAME  # lazy: ls/cp must not import torch
 
     print(tiny_colors_path() if args.name == TINY_COLORS_NAME else tiny_model_path(args.name))
 
@@ -185,12 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _add_model_commands(commands) -> None:
-    """The commands that read configs and models (their parsers need torch and transformers)."""
-    from fsdp_peft.config import GATHER_BUDGET_HELP  # lazy: ls/cp must not import torch
-    from fsdp_peft.paths import EMBEDDED_MODEL_NAMES  # lazy: ls/cp must not import torch
-    from fsdp_peft.tiny import TINY_MODEL_NAME  # lazy: ls/cp must not import torch
-    from fsdp_peft.tiny_vision import TINY_COLORS_NAME  # lazy: ls/cp must not import torch
-
+    """The commands that read configs and models; their parsers import nothing heavy, so --help answers at once."""
     validate = commands.add_parser(
         "validate", help="check a recipe YAML without loading any weights; every problem at once"
     )

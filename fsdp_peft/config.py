@@ -21,16 +21,14 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from fsdp_peft.catalog import shipped_config
+from fsdp_peft.choices import GATHER_BUDGET_HELP, TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.dtypes import DTYPES, dtype_named, short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.keys import plain_value
 from fsdp_peft.strict_yaml import load_yaml_file
-from fsdp_peft.tiny import TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.xla import on_xla
-
-GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
 
 
 @dataclass

@@ -187,8 +187,8 @@ def _load_one(manager: TaskManager, spec: str, key: str) -> dict | None:
 def _from_the_cache_only():
     """The hub in offline mode: ``fsdp-peft validate`` reads a task's data from the cache and notes what is not there
     at once, where a machine without network would spend half a minute on the hub client's retries."""
-    import datasets.config
-    import huggingface_hub.constants
+    import datasets.config  # lazy: ls/cp must not import the hub libraries
+    import huggingface_hub.constants  # lazy: ls/cp must not import the hub libraries
 
     saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True

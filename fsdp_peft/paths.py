@@ -13,16 +13,13 @@ import os
 from pathlib import Path
 
 from fsdp_peft.atomic_publish import publish_directory
-from fsdp_peft.tiny import TINY_MODEL_ASSETS, TINY_MODEL_NAME, TINY_MODEL_NAMES, WEIGHTS_SEED, write_tiny_model
+from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, TINY_COLORS_NAME, TINY_MODEL_NAME, TINY_VISION_MODEL_NAMES
+from fsdp_peft.tiny import TINY_MODEL_ASSETS, WEIGHTS_SEED, write_tiny_model
 from fsdp_peft.tiny_vision import (
     COLORS_SEED,
-    TINY_COLORS_NAME,
-    TINY_VISION_MODEL_NAMES,
     write_tiny_colors,
     write_tiny_vision_model,
 )
-
-EMBEDDED_MODEL_NAMES = (*TINY_MODEL_NAMES, *TINY_VISION_MODEL_NAMES)  # causal LMs, then vision-language models
 
 
 def cache_dir() -> Path:

@@ -29,14 +29,12 @@ from pathlib import Path
 
 import torch
 
+from fsdp_peft.choices import TINY_MODEL_NAME
 from fsdp_peft.families import tiny_family
 
 ASSETS = Path(__file__).parent / "assets"
-TINY_MODEL_NAME = "tiny-llama"
-TINY_DATASET_NAME = "tiny-reverse"
 TINY_MODEL_ASSETS = ASSETS / "tiny_llama"
 TINY_DATASET_DIR = ASSETS / "tiny_reverse"
-TINY_PREFERENCE_NAME = "tiny-preference"
 TINY_PREFERENCE_DIR = ASSETS / "tiny_preference"
 PREFERENCE_DATA_SEED = 11
 WEIGHTS_SEED = 1234
@@ -126,7 +124,6 @@ TINY_FAMILY_CONFIGS = {
         "router_jitter_noise": 0.0,
     },
 }
-TINY_MODEL_NAMES = (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)
 
 
 def build_tokenizer():

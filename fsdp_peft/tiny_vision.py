@@ -28,11 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TINY_QWEN_VL_NAME = "tiny-qwen2.5-vl"
-TINY_QWEN3_VL_NAME = "tiny-qwen3-vl"
-TINY_GEMMA_VL_NAME = "tiny-gemma3-vl"
-TINY_VISION_MODEL_NAMES = (TINY_QWEN_VL_NAME, TINY_QWEN3_VL_NAME, TINY_GEMMA_VL_NAME)
-TINY_COLORS_NAME = "tiny-colors"
+from fsdp_peft.choices import TINY_GEMMA_VL_NAME, TINY_QWEN3_VL_NAME, TINY_QWEN_VL_NAME
+
 COLORS_SEED = 21
 IMAGE_SIZE = 32  # pixels per side: 4x4 patches of 8 pixels, merged or pooled 2x2 into 4 image tokens
 PATCH_SIZE = 8

@@ -21,7 +21,8 @@ from transformers import TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
-from fsdp_peft.config import GATHER_BUDGET_HELP, PREFERENCE, RL, SFT, unset_training_values
+from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, GATHER_BUDGET_HELP, TINY_DATASET_NAME
+from fsdp_peft.config import PREFERENCE, RL, SFT, unset_training_values
 from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.data.formats import DATA_FORMATS, source_examples
 from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, data_sources, is_local_path, read_source
@@ -51,7 +52,6 @@ from fsdp_peft.moe import (
     moe_targets_reach_the_experts,
 )
 from fsdp_peft.paths import (
-    EMBEDDED_MODEL_NAMES,
     cached_hub_model_names,
     checkpoint_quantization,
     hub_cache_dir,
@@ -65,7 +65,6 @@ from fsdp_peft.paths import (
 )
 from fsdp_peft.safetensors_io import parse_size
 from fsdp_peft.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
-from fsdp_peft.tiny import TINY_DATASET_NAME
 from fsdp_peft.unreachable_hub import out_of_reach_noted
 from fsdp_peft.variants import (
     eva_forwards_the_loaded_model_before_sharding,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from fsdp_peft.choices import TINY_COLORS_NAME
 from fsdp_peft.config import SFT
 from fsdp_peft.data.cache import downloaded_hub_splits
 from fsdp_peft.data.sources import Source, data_sources, read_source
@@ -30,7 +31,7 @@ from fsdp_peft.paths import local_model_config, resolve_model_path, tiny_colors_
 from fsdp_peft.procedure import Procedure, Setup
 from fsdp_peft.run_file_names import SAMPLES_FILE
 from fsdp_peft.sft import summary_lines
-from fsdp_peft.tiny_vision import TINY_COLORS_NAME, load_processor
+from fsdp_peft.tiny_vision import load_processor
 from fsdp_peft.trainer import PeftFsdpTrainer
 from fsdp_peft.vision import is_vision_config
 

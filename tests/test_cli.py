@@ -143,3 +143,37 @@ def test_help_is_plain_text_and_describes_the_config_argument(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "config                the recipe YAML to " in capsys.readouterr().out
+
+
+HELP_WITHOUT_TORCH = """
+import sys
+from fsdp_peft.cli import main
+for argv in (["--help"], *([name, "--help"] for name in sys.argv[1:])):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, (argv, exit.code)
+heavy = sorted(m for m in ("torch", "transformers", "peft", "accelerate", "datasets") if m in sys.modules)
+print("imported:", heavy)
+"""
+
+
+def test_every_subcommands_help_answers_without_importing_torch_or_the_hugging_face_libraries():
+    """--help is for reading the options: it must not wait seconds on the libraries the command itself needs."""
+    from fsdp_peft.cli import main
+
+    commands = ["ls", "cp", "validate", "plan", "export", "generate", "eval", "tiny-model"]
+    with pytest.raises(SystemExit):
+        main(["--help"])  # every command above is a real one (argparse would refuse an unknown one in the child)
+    result = run_command([sys.executable, "-c", HELP_WITHOUT_TORCH, *commands], timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "imported: []"
+
+
+def test_the_embedded_names_are_the_ones_the_builders_build():
+    """`fsdp_peft.choices` lists the causal LMs without torch; `fsdp_peft.tiny` keys its family models by exactly
+    those names (tests/test_tiny_vision.py builds every vision-language name)."""
+    from fsdp_peft.choices import TINY_CAUSAL_LM_NAMES, TINY_MODEL_NAME
+    from fsdp_peft.tiny import TINY_FAMILY_CONFIGS
+
+    assert TINY_CAUSAL_LM_NAMES == (TINY_MODEL_NAME, *TINY_FAMILY_CONFIGS)

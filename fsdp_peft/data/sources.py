@@ -17,9 +17,10 @@ import pandas
 import pyarrow.parquet
 from datasets import Dataset
 
+from fsdp_peft.choices import TINY_DATASET_NAME, TINY_PREFERENCE_NAME
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
-from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_DATASET_NAME, TINY_PREFERENCE_DIR, TINY_PREFERENCE_NAME
+from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_PREFERENCE_DIR
 
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_NAMES = ("eval", "validation")
