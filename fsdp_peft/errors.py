@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import time
@@ -22,8 +23,9 @@ class ConfigError(Exception):
 def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
     """Turn a `ConfigError` escaping ``main`` into ``error: <message>`` on stderr and exit code 2.
 
-    Under ``accelerate launch``/``torchrun`` the launcher then reports the failed ranks with a
-    traceback of its own (``ChildFailedError``); the ``error:`` line above it is the message to read.
+    Under ``accelerate launch``/``torchrun`` the launcher then reports the failed ranks with a traceback of its own
+    (``ChildFailedError``), which nothing inside a rank can suppress; the line is also handed to the launcher
+    (`tell_the_launcher`), so its report ends with it.
     """
 
     @functools.wraps(main)
@@ -37,9 +39,26 @@ def exits_cleanly_on_user_error(main: Callable[..., T]) -> Callable[..., T]:
                 # launcher stop the first rank before it printed (no message at all), so wait to be stopped,
                 # and speak only if that never happens (the input differed on this rank).
                 time.sleep(OTHER_RANKS_WAIT_S)
-                print(f"error: (local rank {local_rank}) {error}", file=sys.stderr)
-                sys.exit(USER_ERROR_EXIT_CODE)
-            print(f"error: {error}", file=sys.stderr)
+                line = f"error: (local rank {local_rank}) {error}"
+            else:
+                line = f"error: {error}"
+            print(line, file=sys.stderr)
+            tell_the_launcher(line)
             sys.exit(USER_ERROR_EXIT_CODE)
 
     return wrapper
+
+
+def tell_the_launcher(line: str) -> None:
+    """Write ``line`` where torch elastic (``torchrun``, ``accelerate launch``) reads a failed rank's error: its report
+    of the failed ranks then ends with the line as the root cause, where it would say "To enable traceback see ...".
+
+    The file is ``$TORCHELASTIC_ERROR_FILE``, in the JSON form torch elastic's own ``@record`` writes; without
+    ``py_callstack`` the report shows the message itself. Outside such a launcher there is no file to write.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    report = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    with open(path, "w") as file:
+        json.dump(report, file)

@@ -135,6 +135,9 @@ def test_unknown_key_fails_under_accelerate_before_any_process_group(tmp_path):
     ]
     assert "ChildFailedError" in launcher  # torchrun's report of the failed ranks, not ours
     assert "fsdp_peft/" not in launcher and 'recipes/llama_lora.py", line' not in launcher
+    # ... which ends with our line as its root cause: the last words on the screen are the message to read
+    last = [line.strip() for line in result.stderr.splitlines() if line.strip().strip("=")][-1]
+    assert last == f"traceback : {errors[0]}", result.stderr[-1500:]
     assert "Loading weights" not in result.stdout + result.stderr
 
 
