@@ -172,12 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command not in CATALOG_COMMANDS:
         from fsdp_peft._compat import check_upstream  # lazy: ls/cp must not import torch
-        from fsdp_peft.log import configure_logging  # lazy: ls/cp must not import torch
+        from fsdp_peft.log import configure_logging, loading_bars_hidden  # lazy: ls/cp must not import torch
 
         configure_logging(stream="stderr")  # stdout is the command's output (completions, plans, listings)
         try:
             check_upstream()
-            args.run(args)
+            with loading_bars_hidden():
+                args.run(args)
         finally:
             configure_logging()  # back to the library's default, for callers of main() in one process
         return

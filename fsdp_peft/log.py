@@ -10,6 +10,7 @@ listings) and one-line user errors (`fsdp_peft.errors`) are not log messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import TextIO
@@ -79,6 +80,22 @@ def configure_logging(
 def configure_for_training(args) -> None:
     """Levels from the run's `TrainingArguments`, messages to stdout."""
     configure_logging(args.log_level, args.log_level_replica, args.log_on_each_node, "stdout")
+
+
+@contextlib.contextmanager
+def loading_bars_hidden():
+    """Within: no "Loading weights" bar from transformers (a second's bar drawn over a command's own lines on every
+    load of a checkpoint); download and other bars stay. The previous hook is back after."""
+    from transformers.utils import logging as transformers_logging  # lazy: ls/cp must not import transformers
+
+    def hook(factory, args, kwargs):
+        return factory(*args, **({**kwargs, "disable": True} if kwargs.get("desc") == "Loading weights" else kwargs))
+
+    previous = transformers_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        transformers_logging.set_tqdm_hook(previous)
 
 
 def counted(count: int, noun: str) -> str:

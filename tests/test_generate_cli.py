@@ -97,6 +97,7 @@ def test_adapter_directory_with_prompts_as_arguments(trained, reference):
     result = run_command([*CLI, str(trained / "adapter"), "--prompt", *PROMPTS, *NEW_TOKENS, "--json"])
     assert _json_completions(result) == reference
     assert f"generating from adapter {trained / 'adapter'} on " in result.stderr
+    assert "Loading weights" not in result.stderr  # transformers' bar, drawn over the command's own lines
 
 
 def test_merged_model_directory_with_a_prompts_file(trained, reference, tmp_path):
