@@ -82,11 +82,12 @@ def saved_bytes(model, group, tokens: int) -> int:
 
 
 def planned_bytes(config, tokens: int, sequence_parallel: int) -> int:
+    from fsdp_peft.checkpointing import NONE
     from fsdp_peft.config import RecipeArguments
     from fsdp_peft.plan import activation_bytes
 
     recipe = RecipeArguments(lora_dropout=0.0, loss_chunk_tokens=CHUNK, sequence_parallel_size=sequence_parallel)
-    return activation_bytes(config, recipe, -(-tokens // sequence_parallel), 4, False)  # a rank's tokens
+    return activation_bytes(config, recipe, -(-tokens // sequence_parallel), 4, NONE)  # a rank's tokens
 
 
 def longest_under(cap: int, measure, start: int) -> int:

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.hf_argparser import string_to_bool
 
 from fsdp_peft.catalog import shipped_config
+from fsdp_peft.checkpointing import AUTO, CHECKPOINTING_KEYS
 from fsdp_peft.choices import GATHER_BUDGET_HELP, TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.dtypes import DTYPES, dtype_named, short_dtype_name
 from fsdp_peft.errors import ConfigError
@@ -173,6 +175,13 @@ class RecipeArguments:
     )
     generate_max_new_tokens: int = field(default=32, metadata={"help": "new tokens per generated completion"})
     generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call on each rank"})
+    device_memory: str = field(
+        default="auto",
+        metadata={
+            "help": "memory of one device that activation_checkpointing: auto plans within: auto (a GPU's total "
+            "memory; on CPU none, so nothing is checkpointed) or a size like 20GiB"
+        },
+    )
     generate_gather_budget: str = field(
         default="auto",
         metadata={"help": "FSDP2: gathered weights generate may keep for the whole call: " + GATHER_BUDGET_HELP},
@@ -296,9 +305,19 @@ def with_procedure_defaults(recipe: RecipeArguments, procedure: str) -> RecipeAr
 class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for action in self._actions:
+            if action.dest in CHECKPOINTING_KEYS:  # `auto` too: fsdp_peft.checkpointing resolves it
+                action.type = _bool_or_auto
+
     def error(self, message: str):
         named = re.match(r"argument --(\w+)(?:/--[\w-]+)*: (.*)", message)
         raise ConfigError(f"{named[1]}: {named[2]}" if named else message)
+
+
+def _bool_or_auto(text: str) -> bool | str:
+    return AUTO if str(text).strip().lower() == AUTO else string_to_bool(text)
 
 
 @functools.cache

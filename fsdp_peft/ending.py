@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fsdp_peft.checkpointing import CheckpointingChoice, choice_line
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import counted, logger
 from fsdp_peft.paths import resolve_model_path
@@ -30,13 +31,14 @@ def end_run(
     train_output,
     measure: Callable[[Path], dict],
     harness_during=None,
+    checkpointing: CheckpointingChoice | None = None,
 ) -> dict | None:
     """Finish a trained run (every rank calls it); returns the results dict on rank 0 (``None`` elsewhere).
 
     ``measure(output_dir)`` runs on every rank after the adapter is saved and returns the procedure's results
     (rank 0's go into ``results.json``); ``procedure`` (`fsdp_peft.procedure.Procedure`) names them and prints
     its own summary lines of them. ``harness_during``: the run's `fsdp_peft.evaluation.HarnessDuringTraining`, when
-    ``eval_tasks_steps`` made one.
+    ``eval_tasks_steps`` made one. ``checkpointing``: what the run checkpointed and why (`fsdp_peft.recipe`).
     """
     output_dir = Path(trainer.args.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
@@ -58,6 +60,7 @@ def end_run(
         **measured,
         "adapter_dir": str(adapter_dir),
         "fsdp": trainer.is_fsdp_enabled,
+        "activation_checkpointing": checkpointing.to_json() if checkpointing else None,
         "merged_dir": str(merged_dir) if recipe.export_merged else None,
         "steps": trainer.state.global_step,
         "train_seconds": train_output.metrics["train_runtime"],
@@ -88,6 +91,8 @@ def summary(results: dict, output_dir: Path, procedure_lines: Callable[[dict, Pa
         f"{results.get('loss_name', 'train')} loss {results['train_loss']:.4f} (mean over the run){last}",
     ]
     lines += procedure_lines(results, output_dir)
+    if results.get("activation_checkpointing"):
+        lines.append(choice_line(results["activation_checkpointing"]))
     lines += harness_lines(results)
     lines.append(f"adapter: {results['adapter_dir']}")
     if results["merged_dir"]:

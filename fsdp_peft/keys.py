@@ -21,6 +21,8 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames
 
+from fsdp_peft.checkpointing import AUTO, CHECKPOINTING_KEYS
+
 SKIPPED_TYPE_CHECK = ("fsdp", "fsdp_config", "parallelism_config")  # `fsdp_peft.fsdp_settings` reads the FSDP keys
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
@@ -129,6 +131,9 @@ def field_types(*classes) -> dict[str, Any]:
     for cls in classes:
         resolved = typing.get_type_hints(cls)
         hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init})
+    for key in CHECKPOINTING_KEYS:  # `auto` besides true/false: fsdp_peft.checkpointing resolves it before the Trainer
+        if key in hints:
+            hints[key] = hints[key] | typing.Literal[AUTO]
     return hints
 
 
@@ -188,6 +193,8 @@ def _describe_type(hint) -> str:
             parts.append("a mapping")
         elif isinstance(arm, type) and issubclass(arm, Enum):
             parts.append("one of its names")
+        elif typing.get_origin(arm) is typing.Literal:
+            parts.append(" or ".join(repr(v) for v in typing.get_args(arm)))
         else:
             parts.append(names.get(arm, getattr(arm, "__name__", str(arm))))
     return " or ".join(dict.fromkeys(parts))

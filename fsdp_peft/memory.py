@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.log import logger
@@ -90,6 +91,16 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def checkpointed_layers(model: torch.nn.Module) -> dict:
+    """The model's checkpointable blocks (transformers' ``GradientCheckpointingLayer``) and how many recompute their
+    forward in backward (their ``gradient_checkpointing`` flag, which activation checkpointing sets), as in force."""
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return {
+        "checkpointable_layers": len(blocks),
+        "checkpointed_layers": sum(bool(getattr(m, "gradient_checkpointing", False)) for m in blocks),
+    }
+
+
 class MemoryReport(TrainerCallback):
     """Counts this rank's parameter, gradient and optimizer bytes after the first optimizer step;
     rank 0 writes every rank's figures and peak RSS to ``memory.json`` when training ends."""
@@ -114,6 +125,7 @@ class MemoryReport(TrainerCallback):
             "gradient_bytes": gradient_bytes(model),
             "optimizer_state_bytes": optimizer_state_bytes(optimizer) if optimizer is not None else 0,
             "quantization_constant_bytes": quantization_constant_bytes(model),
+            **checkpointed_layers(model),
         }
         figures["parameter_gradient_optimizer_bytes"] = (
             figures["parameter_bytes"] + figures["gradient_bytes"] + figures["optimizer_state_bytes"]

@@ -28,6 +28,19 @@ from transformers import AutoConfig
 
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
+from fsdp_peft.checkpointing import (
+    AUTO,
+    CHECKPOINTING_KEYS,
+    KWARGS_KEYS,
+    MARGIN,
+    NONE,
+    Checkpointing,
+    CheckpointingChoice,
+    candidates,
+    checkpoint_kwargs,
+    every,
+    requested,
+)
 from fsdp_peft.config import PREFERENCE, RL, SFT, procedure_of_config, resolve_recipe_config
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import family_of_model
@@ -39,7 +52,8 @@ from fsdp_peft.moe import EXPERTS_MODULE, expert_count, expert_width, experts_pe
 from fsdp_peft.moe_quantization import layout_for
 from fsdp_peft.new_tokens import grow_vocabulary
 from fsdp_peft.paths import known_model_config, resolve_model_path
-from fsdp_peft.validation import check_keys, layer_checkpointing
+from fsdp_peft.safetensors_io import parse_size
+from fsdp_peft.validation import check_keys
 from fsdp_peft.variants import stored_weight
 from fsdp_peft.vision import auto_model_class, is_vision_config, quantization_skip_modules
 from fsdp_peft.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
@@ -75,6 +89,7 @@ class ModelCounts:
     expert_bytes: int = 0  # a mixture of experts: this rank's shard of the expert weights (4-bit rows for QLoRA)
     largest_expert_numel: int = 0  # one expert parameter of one layer, all experts ([experts, out, in])
     expert_parameters: int = 0  # elements of every expert weight in the full model
+    layer_adapter_ranks: int = 0  # one decoder layer's LoRA ranks added up (each adapter saves x·Aᵀ for backward)
 
 
 @dataclass
@@ -89,7 +104,7 @@ class MemoryPlan:
     mixed_precision: str | None
     load_in_4bit: bool
     tokens_per_rank: int
-    activation_checkpointing: bool
+    checkpointing: Checkpointing  # what the config asks for, or under auto what the plan chose
     offload_params: bool
     optimizer: str
     counts: ModelCounts
@@ -101,6 +116,13 @@ class MemoryPlan:
     longest_sequence: int | None = None  # SFT: the longest max_seq_length that fits, all else as planned
     gpu_loading: int = 0  # ordinary loading: each GPU holds the whole model before FSDP shards it (`loading_bytes`)
     low_memory_loading: bool = False  # fsdp_cpu_ram_efficient_loading: rank 0 reads, each GPU receives its shards
+    checkpointable_layers: int = 0  # the decoder layers activation checkpointing chooses among
+    checkpointing_choices: list[dict] = field(default_factory=list)  # under auto: each candidate and its peak
+    checkpointing_reason: str = ""  # why these layers: the config, or the plan's choice under auto
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.checkpointing.count > 0
 
     @property
     def gpu_total(self) -> int:
@@ -127,6 +149,8 @@ class MemoryPlan:
             gpu_peak=self.gpu_peak,
             fits=self.fits,
             parameter_gradient_optimizer_bytes=self.parameter_gradient_optimizer_bytes,
+            activation_checkpointing=self.activation_checkpointing,
+            checkpointed_layers=self.checkpointing.count,
             verdict=verdict(self),
         )
         return values
@@ -199,6 +223,16 @@ def fsdp1_flat_parameters(
     return list(flat.values())
 
 
+def adapter_ranks(layer: torch.nn.Module) -> int:
+    """The ranks of the LoRA adapters on ``layer``'s linear modules, added up."""
+    return sum(
+        adapter.out_features
+        for module in layer.modules()
+        if isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+        for adapter in getattr(module, "lora_A", {}).values()
+    )
+
+
 def count_model(
     peft_model,
     recipe,
@@ -218,6 +252,7 @@ def count_model(
     layer_classes = tuple(decoder_layer_classes(inner))  # once: it walks the whole model
     layers = [m for m in inner.modules() if isinstance(m, layer_classes)]
     counts = ModelCounts()
+    counts.layer_adapter_ranks = max((adapter_ranks(layer) for layer in layers), default=0)
     linear: set[int] = set()  # transformers' bnb quantizer converts every nn.Linear except the output head
     kept = tuple(f"{name}." for name in quantization_skip_modules(family_of_model(inner)) or ())  # a VLM's tower
     for name, module in inner.named_modules():
@@ -299,19 +334,45 @@ def estimated_optimizer_state_bytes(
 
 
 def activation_bytes(
-    model_config, recipe, tokens: int, compute_bytes: int, checkpointing: bool, chunk_tokens: int | None = None
+    model_config,
+    recipe,
+    tokens: int,
+    compute_bytes: int,
+    checkpointing: Checkpointing,
+    chunk_tokens: int | None = None,
+    adapter_ranks: int = 0,
 ) -> int:
+    """The activations row: their peak on one rank (`activation_peak_and_saved`)."""
+    figures = activation_peak_and_saved(
+        model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, adapter_ranks
+    )
+    return figures[0]
+
+
+def activation_peak_and_saved(
+    model_config,
+    recipe,
+    tokens: int,
+    compute_bytes: int,
+    checkpointing: Checkpointing,
+    chunk_tokens: int | None = None,
+    adapter_ranks: int = 0,
+) -> tuple[int, int]:
     """Estimated activations saved for backward on one rank (memory-efficient attention, no seq² term).
 
     Per decoder layer per token (Llama-style: RMSNorm, attention with ``kv`` = KV width, SwiGLU MLP of
     width ``i``, LoRA on the linear layers): ``c·(6h + 2kv + 4i)`` bytes (``c`` = compute dtype bytes: both
     norms' inputs and outputs (the adapters' inputs), q, the attention output and its copy into o_proj, k
     and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms' fp32
-    upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0; and
+    upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0, plus ``c·r`` per
+    adapter of rank ``r`` (its ``x·Aᵀ``; ``adapter_ranks``: a layer's ranks added up, `ModelCounts`); and
     ``c·h`` for the final norm's input; with ``sequence_parallel_size`` > 1 (``tokens``: the rank's 1/N of each
     row), ``c·h`` more per layer (`benchmarks/sequence_parallel.py`: within 1%). `benchmarks/activations.py`
-    measures these against autograd's saved tensors (fp32, 2026-12-01: body within 1%). With checkpointing,
-    each layer keeps only its input (``c·h``) and one layer is recomputed at a time.
+    measures these against autograd's saved tensors (body within 1%). A checkpointed layer (``checkpointing``: k
+    of the n decoder layers, every m-th from layer 0) keeps only its input (``c·h``; nothing on the device when
+    offloaded). Returns ``(peak, saved)``: ``saved`` is what the forward leaves for backward; backward frees each
+    layer's activations as it passes it, so the peak is the larger of ``saved`` and the moment the topmost
+    checkpointed layer is recomputed (everything below it, its input back on the device, and its whole layer).
     Logits, saved: the fp32 log-softmax, ``tokens x vocab x 4``; the head output, its fp32 upcast and the
     gradient are transient (`loss_logits_bytes`). With the chunked loss (``loss_chunk_tokens`` > 0,
     `fsdp_peft.loss`) the saved part is ``tokens x (c·h + 8)``: the gradient of the hidden states and the
@@ -328,21 +389,32 @@ def activation_bytes(
     head_dim = getattr(model_config, "head_dim", None) or h // heads
     kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
     per_layer = compute_bytes * (6 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
+    per_layer += compute_bytes * adapter_ranks
     if recipe.lora_dropout > 0:
         per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
     if recipe.sequence_parallel_size > 1:  # the attention output, exchanged back, no longer shares o_proj's input
         per_layer += compute_bytes * h
-    layers = model_config.num_hidden_layers
-    body = tokens * (layers * compute_bytes * h + per_layer) if checkpointing else tokens * layers * per_layer
-    body += tokens * compute_bytes * h  # the final norm's input
+    layer = tokens * per_layer  # what a layer that is not checkpointed saves
     if experts and (recipe.load_in_4bit or recipe.lora_target_parameters):
         # the experts' weights as their matmuls read them (dequantized, or with LoRA folded in: new tensors, not the
-        # parameters) are saved for backward: every layer's, or with checkpointing the one being recomputed
-        stack = 3 * experts * expert_width(model_config) * h * compute_bytes  # gate_up [2I, h] + down [h, I]
-        body += stack * (1 if checkpointing else layers)
+        # parameters) are saved for backward like the layer's activations
+        layer += 3 * experts * expert_width(model_config) * h * compute_bytes  # gate_up [2I, h] + down [h, I]
+    layer_input = tokens * compute_bytes * h
+    kept_input = 0 if checkpointing.offload else layer_input  # on the device, per checkpointed layer
+    layers = model_config.num_hidden_layers
+    kept = min(checkpointing.count, layers)
+    saved = (layers - kept) * layer + kept * kept_input
+    peak = saved
+    if kept:
+        top = min(checkpointing.top(), layers - 1)
+        below = (top - (kept - 1)) * layer + (kept - 1) * kept_input  # the layers under the topmost checkpointed one
+        peak = max(saved, below + layer_input + layer)
+    rest = layer_input  # the final norm's input
     if recipe.loss_chunk_tokens if chunk_tokens is None else chunk_tokens:
-        return body + tokens * (compute_bytes * h + 8)
-    return body + tokens * model_config.vocab_size * 4
+        rest += tokens * (compute_bytes * h + 8)
+    else:
+        rest += tokens * model_config.vocab_size * 4
+    return peak + rest, saved + rest
 
 
 def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_bytes: int) -> int:
@@ -407,6 +479,27 @@ def plan_memory(
             plan = plan_memory(config_path, world_size, gpu_memory, low_memory_loading, offload_params)
         plan.notes.append(f"planned for the TPU route its fsdp_config asks for ({DEVICE_VARIABLE} is not set here)")
         return plan
+    procedure = procedure_of_config(config_path)
+    return plan_recipe(
+        recipe, training, procedure, str(config_path), world_size, gpu_memory, low_memory_loading, offload_params
+    )
+
+
+def plan_recipe(
+    recipe,
+    training: dict,
+    procedure: str,
+    label: str,
+    world_size: int | None,
+    gpu_memory: int,
+    low_memory_loading: bool | None = None,
+    offload_params: bool | None = None,
+    offload_possible: bool = True,
+) -> MemoryPlan:
+    """`plan_memory` of resolved values: ``recipe`` (`fsdp_peft.config.RecipeArguments`), ``training`` (the
+    ``TrainingArguments`` values), the ``procedure``'s name; ``label`` names the config in the output. A run plans
+    itself through this under ``activation_checkpointing: auto`` (``offload_possible``: a device to offload
+    activations from)."""
     check_keys(recipe, training)
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 1:
@@ -423,7 +516,6 @@ def plan_memory(
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     peft_model = meta_peft_model(model_config, recipe)
     version = settings.version if settings is not None else 2
-    procedure = procedure_of_config(config_path)
     trl_trainer = procedure in (PREFERENCE, RL)
     counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version, head_in_root=trl_trainer)
 
@@ -434,7 +526,14 @@ def plan_memory(
     if chosen_attention(recipe.attn_implementation, base_class) == "eager":
         which = "eager" if recipe.attn_implementation == "eager" else f"auto (eager for {base_class.__name__})"
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
-    checkpointing = layer_checkpointing(training) or bool(settings and settings.activation_checkpointing)
+    layers = model_config.get_text_config().num_hidden_layers
+    asked = requested(training, layers)
+    if settings and settings.activation_checkpointing:
+        checkpointing, reason = every(layers), "fsdp_activation_checkpointing: true (FSDP's own, every layer)"
+    elif asked == AUTO:
+        checkpointing, reason = NONE, ""  # chosen below, once every other row is known
+    else:
+        checkpointing, reason = asked, "as the config sets it"
     offload = bool(settings and settings.offload_params) if offload_params is None else offload_params
     if is_vision_config(model_config):
         notes.append(
@@ -475,12 +574,16 @@ def plan_memory(
     xla = xla_plan(trainer_fsdp_arguments(training).get("fsdp_config"), ranks, tokens)
     if xla is not None:  # TPU chips as ranks: fsdp_peft.xla
         fsdp, xla_checkpointing, tokens = xla
-        checkpointing = checkpointing or xla_checkpointing
+        if xla_checkpointing:
+            checkpointing, reason = every(layers), "xla_fsdp_grad_ckpt: true (every layer)"
+        elif asked == AUTO:
+            checkpointing, reason = NONE, "auto on XLA: xla_fsdp_grad_ckpt decides (off)"
+        asked = checkpointing
         notes = [note for note in notes if not note.startswith("no FSDP settings")]
         if recipe.loss_chunk_tokens:
             notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {ON_XLA}")
     plan = MemoryPlan(
-        config=str(config_path),
+        config=label,
         model=recipe.model_name_or_path,
         world_size=ranks,
         gpu_memory_bytes=gpu_memory,
@@ -488,12 +591,14 @@ def plan_memory(
         mixed_precision=mixed,
         load_in_4bit=recipe.load_in_4bit,
         tokens_per_rank=tokens,
-        activation_checkpointing=checkpointing,
+        checkpointing=checkpointing,
         offload_params=offload,
         optimizer=optim,
         counts=counts,
         preference=preference,
         notes=notes,
+        checkpointable_layers=layers,
+        checkpointing_reason=reason,
     )
     resident = dict(zip(RESIDENT_ROWS, (counts.base_bytes, counts.adapter_bytes, counts.adapter_bytes, optimizer)))
     plan.gpu = {name: 0 if offload else value for name, value in resident.items()}
@@ -512,8 +617,9 @@ def plan_memory(
         notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {unavailable}")
     if preference:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
         chunk_tokens = TRL_TOKEN_TILE
+    layer_ranks = counts.layer_adapter_ranks
     plan.gpu["activations (est.)"] = activation_bytes(
-        model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=chunk_tokens
+        model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks
     )
     plan.gpu["loss logits, transient (est.)"] = (
         min(tokens, TRL_TOKEN_TILE) * min(model_config.get_text_config().vocab_size, TRL_VOCAB_TILE) * compute_bytes
@@ -543,10 +649,48 @@ def plan_memory(
             f"4-bit experts: ordinary loading puts every expert on each GPU in {recipe.torch_dtype} ({gib(loaded)}) "
             "before quantizing them; fsdp_cpu_ram_efficient_loading: true quantizes them tensor by tensor on rank 0"
         )
+    least = plan.checkpointing
+    if asked == AUTO:
+        vision = is_vision_config(model_config)  # the vision blocks checkpoint as layers too: all or none there
+
+        def saved(checkpointing: Checkpointing) -> int:
+            return activation_bytes(
+                model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks
+            )
+
+        least = choose_checkpointing(plan, saved, offload_possible, vision)
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
     if procedure == SFT and xla is None:
-        plan.longest_sequence = longest_sequence(plan, model_config, recipe, per_rank, compute_bytes, chunk_tokens)
+        plan.longest_sequence = longest_sequence(
+            plan, model_config, recipe, per_rank, compute_bytes, chunk_tokens, least
+        )
     return plan
+
+
+def choose_checkpointing(plan: MemoryPlan, saved, offload_possible: bool, all_or_none: bool) -> Checkpointing:
+    """``activation_checkpointing: auto``: the first of `fsdp_peft.checkpointing.candidates` (fewest layers first)
+    whose peak stays within ``1 - MARGIN`` of the GPU, else the last (the least memory); ``saved(checkpointing)``
+    gives a candidate's activations. Sets the plan's checkpointing, its activations row, the candidates and why;
+    returns the least memory of them."""
+    total = plan.checkpointable_layers
+    options = candidates(total, offload_possible)
+    if all_or_none:
+        options = [c for c in options if c.count in (0, total)]
+    others = plan.gpu_total - plan.gpu["activations (est.)"]
+    limit = int(plan.gpu_memory_bytes * (1 - MARGIN))
+    peaks = [(c, max(others + saved(c), plan.gpu_loading)) for c in options]
+    plan.checkpointing_choices = [{"checkpointing": c.describe(total), "peak": peak} for c, peak in peaks]
+    fitting = [(c, peak) for c, peak in peaks if peak <= limit]
+    chosen, peak = fitting[0] if fitting else peaks[-1]
+    plan.checkpointing = chosen
+    plan.gpu["activations (est.)"] = saved(chosen)
+    within = f"{1 - MARGIN:.0%} of {budget(plan.gpu_memory_bytes)}"
+    plan.checkpointing_reason = (
+        f"auto: the fewest whose planned peak, {gib(peak)}, is within {within}"
+        if fitting
+        else f"auto: none is within {within}; the least memory of them ({gib(peak)})"
+    )
+    return options[-1]
 
 
 def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -> int:
@@ -562,13 +706,17 @@ def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -
     return base + whole.adapter_bytes + whole.quantization_constant_bytes + unit + CUDA_CONTEXT_BYTES
 
 
-def longest_sequence(plan: MemoryPlan, model_config, recipe, rows: int, compute_bytes: int, chunk: int) -> int:
-    """The longest ``max_seq_length`` (a multiple of 256, up to 4M) whose plan fits, all else as planned."""
+def longest_sequence(
+    plan: MemoryPlan, model_config, recipe, rows: int, compute_bytes: int, chunk: int, checkpointing: Checkpointing
+) -> int:
+    """The longest ``max_seq_length`` (a multiple of 256, up to 4M) whose plan fits, all else as planned, with
+    ``checkpointing`` (under auto: the least memory it may choose)."""
     fixed = plan.gpu_total - plan.gpu["activations (est.)"] - plan.gpu["loss logits, transient (est.)"]
+    layer_ranks = plan.counts.layer_adapter_ranks
 
     def fits(length: int) -> bool:
         tokens = rows * math.ceil(length / recipe.sequence_parallel_size)
-        saved = activation_bytes(model_config, recipe, tokens, compute_bytes, plan.activation_checkpointing, chunk)
+        saved = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk, layer_ranks)
         return fixed + saved + loss_logits_bytes(model_config, chunk, tokens, compute_bytes) <= plan.gpu_memory_bytes
 
     low, high = 0, 2**22 // 256  # in units of 256 tokens
@@ -582,13 +730,18 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
     """Switches that lower per-GPU (or host) memory, each with what it saves; most saving first."""
     found = []
     compute_bytes = DTYPE_BYTES[plan.mixed_precision or recipe.torch_dtype]
-    if not plan.activation_checkpointing:
-        checkpointed = activation_bytes(model_config, recipe, plan.tokens_per_rank, compute_bytes, True)
+    layer_ranks = plan.counts.layer_adapter_ranks
+    if plan.checkpointing.count < plan.checkpointable_layers:
+        tokens = plan.tokens_per_rank
+        everything = every(plan.checkpointable_layers)
+        checkpointed = activation_bytes(
+            model_config, recipe, tokens, compute_bytes, everything, adapter_ranks=layer_ranks
+        )
         saved = plan.gpu["activations (est.)"] - checkpointed
         found.append({"switch": "activation_checkpointing: true (or fsdp_activation_checkpointing)", "saves": saved})
     if not recipe.loss_chunk_tokens and not plan.fsdp.startswith("XLA") and not plan.preference:
-        tokens, checkpointing = plan.tokens_per_rank, plan.activation_checkpointing
-        chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens=512)
+        tokens, checkpointing = plan.tokens_per_rank, plan.checkpointing
+        chunked = activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, 512, layer_ranks)
         chunked += loss_logits_bytes(model_config, 512, tokens, compute_bytes)
         saved = plan.gpu["activations (est.)"] + plan.gpu["loss logits, transient (est.)"] - chunked
         found.append({"switch": "loss_chunk_tokens: 512 (chunked loss)", "saves": saved})
@@ -647,7 +800,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  base parameters {c.base_parameters:,}; adapter parameters {c.adapter_parameters:,}; "
         f"optimizer {plan.optimizer}; "
         f"{plan.tokens_per_rank:,} tokens per rank per micro-batch; activation checkpointing "
-        f"{'on' if plan.activation_checkpointing else 'off'}; offload {'on' if plan.offload_params else 'off'}; "
+        f"{plan.checkpointing.describe(plan.checkpointable_layers)}; offload {'on' if plan.offload_params else 'off'}; "
         f"low-memory loading {'on' if plan.low_memory_loading else 'off'}",
         "",
         f"  {'per GPU (largest rank)':<40} {'bytes':>14} {'':>11}",
@@ -658,7 +811,21 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {'while loading: whole model (est.)':<40} {plan.gpu_loading:>14,} {gib(plan.gpu_loading):>11}")
     lines += ["", f"  {'host RAM per node':<40}"]
     lines += [f"  {name:<40} {value:>14,} {gib(value):>11}" for name, value in plan.host.items()]
-    lines += [""] + [f"  note: {note}" for note in plan.notes]
+    lines.append("")
+    if plan.checkpointing_choices:
+        chosen = plan.checkpointing.describe(plan.checkpointable_layers)
+        lines += [f"  {'activation checkpointing: auto':<48} {'peak':>11}"]
+        shown = plan.checkpointing_choices
+        at = next(i for i, choice in enumerate(shown) if choice["checkpointing"] == chosen)
+        if len(shown) > 8:  # the fastest, the chosen one and its neighbours, the least memory
+            shown = [shown[0], *shown[max(1, at - 1) : at + 2], *shown[-2:]]
+            shown = list({choice["checkpointing"]: choice for choice in shown}.values())
+        for choice in shown:
+            mark = "  <- chosen" if choice["checkpointing"] == chosen else ""
+            lines.append(f"  {choice['checkpointing']:<48} {gib(choice['peak']):>11}{mark}")
+    if plan.checkpointing_reason:
+        lines += [f"  activation checkpointing: {plan.checkpointing_reason}", ""]
+    lines += [f"  note: {note}" for note in plan.notes]
     lines.append("  (est.) rows are estimates; weights, gradients and optimizer rows are exact counts from the config")
     host_tips = [s for s in plan.suggestions if s.get("host")]
     lines += [f"  host RAM: {s['switch']} saves {gib(s['saves'])}" for s in host_tips]
@@ -669,3 +836,39 @@ def format_plan(plan: MemoryPlan) -> str:
         )
     lines.append(verdict(plan))
     return "\n".join(lines)
+
+
+def device_memory(recipe) -> int | None:
+    """The memory ``activation_checkpointing: auto`` plans within: ``device_memory`` as given, else this rank's GPU's
+    total memory; ``None`` on a machine without one (nothing to plan within)."""
+    if str(recipe.device_memory).strip().lower() != AUTO:
+        return parse_size(recipe.device_memory, "device_memory")
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+
+
+def run_checkpointing(recipe, training: dict, procedure: str, source) -> tuple[CheckpointingChoice, dict]:
+    """What a run checkpoints, and the training values that make transformers do it: the config's own setting, or
+    under ``auto`` the plan's choice on this launch's ranks and device (refused, before any weights, when not even
+    the least memory of the choices fits)."""
+    layers = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code).get_text_config().num_hidden_layers
+    asked = requested(training, layers)
+    if asked != AUTO:
+        return CheckpointingChoice(asked, layers, "as the config sets it"), {}
+    # the Trainer's switch off: the recipe checkpoints the chosen layers (fsdp_peft.checkpointing.apply_checkpointing)
+    off = {**{key: None for key in CHECKPOINTING_KEYS + KWARGS_KEYS}, "activation_checkpointing": False}
+    memory = device_memory(recipe)
+    if memory is None:
+        reason = "auto: no GPU memory to plan within; set device_memory to plan one"
+        return CheckpointingChoice(NONE, layers, reason), off
+    on_gpu = torch.cuda.is_available()  # offloading activations moves them off a GPU; on CPU they are there already
+    plan = plan_recipe(recipe, training, procedure, str(source), None, memory, offload_possible=on_gpu)
+    if not plan.fits:
+        raise ConfigError(
+            f"{source}: {verdict(plan)} (activation_checkpointing: auto, with the least memory of its choices: "
+            f"{plan.checkpointing.describe(plan.checkpointable_layers)}); `fsdp-peft plan` shows every row"
+        )
+    wrapper = plan.checkpointing_reason.startswith(("fsdp_activation_checkpointing", "xla_fsdp_grad_ckpt"))
+    kwargs = tuple(checkpoint_kwargs(training).items())
+    return CheckpointingChoice(plan.checkpointing, layers, plan.checkpointing_reason, not wrapper, kwargs), off

@@ -23,6 +23,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_peft._compat import check_upstream
+from fsdp_peft.checkpointing import CheckpointingChoice, apply_checkpointing
 from fsdp_peft.config import (
     RecipeArguments,
     build_training_arguments,
@@ -37,6 +38,7 @@ from fsdp_peft.errors import exits_cleanly_on_user_error
 from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.log import configure_for_training, logger
 from fsdp_peft.modeling import build_model, load_tokenizer
+from fsdp_peft.plan import run_checkpointing
 from fsdp_peft.procedure import Procedure, ScoredBeforeTraining, Setup
 from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
 from fsdp_peft.sft import SFT_PROCEDURE
@@ -63,11 +65,13 @@ def run_recipe(
 
 def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure) -> dict | None:
     started = time.monotonic()
-    recipe, training = parse_recipe_config(argv, default_config, f"outputs/{name}", procedure)
+    recipe, training, checkpointing = parse_run_config(argv, default_config, f"outputs/{name}", procedure)
     configure_for_training(training)
+    logger.info(checkpointing.line())
     run, checkpoint, tokenizer = start_training(recipe, training)
     setup = Setup(recipe, training, tokenizer, procedure.load_data(recipe, tokenizer, training), checkpoint=checkpoint)
     setup.model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights
+    apply_checkpointing(setup.model, checkpointing)  # auto: the plan's layers (a config's own: the Trainer's)
     before = ScoredBeforeTraining(procedure, setup)
     shared = {
         "args": training,
@@ -86,18 +90,29 @@ def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure)
         trainer.add_callback(during)
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     measure = lambda output_dir: procedure.after(trainer, setup, before.result, output_dir)  # noqa: E731
-    return end_run(trainer, recipe, name, procedure, started, train_output, measure, during)
+    return end_run(trainer, recipe, name, procedure, started, train_output, measure, during, checkpointing)
 
 
 def parse_recipe_config(
     argv: list[str], default_config: Path, default_output_dir: str, procedure: Procedure = SFT_PROCEDURE
 ) -> tuple[RecipeArguments, TrainingArguments]:
+    """`parse_run_config` without the activation checkpointing choice."""
+    recipe_args, training_args, _ = parse_run_config(argv, default_config, default_output_dir, procedure)
+    return recipe_args, training_args
+
+
+def parse_run_config(
+    argv: list[str], default_config: Path, default_output_dir: str, procedure: Procedure = SFT_PROCEDURE
+) -> tuple[RecipeArguments, TrainingArguments, CheckpointingChoice]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments (the class
-    ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules that guard ``procedure``."""
+    ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules that guard ``procedure``;
+    ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.plan.run_checkpointing`)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     recipe_args = with_procedure_defaults(recipe_args, procedure.name)
     check_before_training(recipe_args, training_values, procedure=procedure.name)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
+    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure.name, options.config)
+    training_values = {**training_values, **chosen}
     arguments_class, extra = procedure.arguments(recipe_args)
     unset = unset_training_values()  # the procedure's defaults where the config sets none; not in training_values,
     defaults = {k: v for k, v in procedure.training_defaults.items() if training_values.get(k) == unset[k]}
@@ -108,7 +123,7 @@ def parse_recipe_config(
         if ranks().is_main:
             print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
         sys.exit(0)
-    return recipe_args, training_args
+    return recipe_args, training_args, checkpointing
 
 
 def start_training(recipe: RecipeArguments, training: TrainingArguments):

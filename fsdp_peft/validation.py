@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
+from fsdp_peft.checkpointing import CHECKPOINTING_KEYS
 from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, GATHER_BUDGET_HELP, TINY_DATASET_NAME
 from fsdp_peft.config import PREFERENCE, RL, SFT, unset_training_values
 from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
@@ -312,6 +313,17 @@ def _gather_budget_is_a_size(context: RuleContext) -> str | None:
     return None
 
 
+def _device_memory_is_a_size(context: RuleContext) -> str | None:
+    value = context.recipe.device_memory
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        parse_size(value, "device_memory")
+    except ConfigError:
+        return f"device_memory: '{value}' is not auto or a size like 20GiB (the memory of one device)"
+    return None
+
+
 def _fsdp_needs_several_processes(context: RuleContext) -> str | None:
     settings = context.fsdp
     if settings is not None and "recipe" in settings.route and ranks().world_size < 2:
@@ -323,20 +335,11 @@ def _fsdp_needs_several_processes(context: RuleContext) -> str | None:
     return None
 
 
-# transformers 5.24's name of the switch that checkpoints every layer, and its deprecated alias (removed in v6)
-LAYER_CHECKPOINTING_KEYS = ("activation_checkpointing", "gradient_checkpointing")
-
-
-def layer_checkpointing(training: dict) -> bool:
-    """Whether the recipe asks the Trainer to checkpoint every layer, under either name."""
-    return any(training.get(key) for key in LAYER_CHECKPOINTING_KEYS)
-
-
 def _one_activation_checkpointing(context: RuleContext) -> str | None:
     training = context.training
     settings = context.fsdp
-    for key in LAYER_CHECKPOINTING_KEYS:
-        if settings and settings.activation_checkpointing and training.get(key):
+    for key in CHECKPOINTING_KEYS:  # auto leaves it to FSDP's own (fsdp_peft.checkpointing)
+        if settings and settings.activation_checkpointing and training.get(key) is True:
             return (
                 f"{key}: true together with FSDP's own activation_checkpointing checkpoints every "
                 f"layer twice (and Trainer refuses it late); keep one: set {key}: false"
@@ -726,6 +729,7 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _model_name_is_known: EVERY,
     _model_config_is_a_causal_lm: EVERY,
     _gather_budget_is_a_size: EVERY,
+    _device_memory_is_a_size: EVERY,
     _fsdp_needs_several_processes: EVERY,
     _one_activation_checkpointing: EVERY,
     _hybrid_shard_shards_in_the_cpu_mode: EVERY,

@@ -112,7 +112,9 @@ def test_plan_says_it_fits_with_room_to_spare_and_exits_0(capsys, tmp_path):
 
 
 def test_plan_that_does_not_fit_names_the_switches_and_exits_1(capsys, tmp_path):
-    config = recipe_config(tmp_path, "lora", max_seq_length=4096, per_device_train_batch_size=64)
+    config = recipe_config(
+        tmp_path, "lora", max_seq_length=4096, per_device_train_batch_size=64, activation_checkpointing=False
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", str(config), "--accelerate-config", str(CPU_FSDP2), "--gpu-memory", "4GiB", "--json"])
     assert exit_info.value.code == 1

@@ -190,6 +190,12 @@ CASES = {
         ["--generate_gather_budget", "8 gigs"],
         "generate_gather_budget: '8 gigs' is not 'auto' (half the free device memory), 'all', 'none'",
     ),
+    "_device_memory_is_a_size": (
+        LORA_TINY,
+        {},
+        ["--device_memory", "lots"],
+        "device_memory: 'lots' is not auto or a size like 20GiB (the memory of one device)",
+    ),
     "_fsdp_needs_several_processes": (
         LORA_TINY,
         {"WORLD_SIZE": "1"},
