@@ -203,11 +203,15 @@ def write_yaml(path: Path, values: dict) -> Path:
     return path
 
 
+PLAIN_CHECKPOINTING = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+
+
 def recipe_yaml(
     directory: Path, model: str, method: str, batch: int, seq: int, steps: int, lora: dict = LORA, name: str = "config"
 ) -> Path:
     """The recipe config an implementation follows (also what the planner reads); ``name`` ``plain``: plain Trainer's
-    loss on full logits (loss_chunk_tokens 0), fsdp-peft's runs the recipe's chunked loss."""
+    loss on full logits (loss_chunk_tokens 0) with every layer checkpointed (the baseline); fsdp-peft's runs the
+    recipe's defaults: the chunked loss, and activation checkpointing as the plan chooses for this GPU (auto)."""
     values = {
         "model_name_or_path": model,
         "torch_dtype": "bfloat16",
@@ -216,8 +220,7 @@ def recipe_yaml(
         **lora,
         "max_seq_length": seq,
         "per_device_train_batch_size": batch,
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        **(PLAIN_CHECKPOINTING if name == "plain" else {}),
         "bf16": True,
         "max_steps": steps,
         "learning_rate": 1e-4,
@@ -340,6 +343,7 @@ def run_one(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 
+    from fsdp_peft.checkpointing import apply_checkpointing
     from fsdp_peft.config import build_training_arguments, resolve_recipe_config
     from fsdp_peft.memory import MemoryReport
     from fsdp_peft.modeling import attach_lora, load_base_model, local_device, quantization_config
@@ -348,6 +352,12 @@ def run_one(args) -> dict:
 
     config_path = Path(args.config)
     recipe, training_values, _ = resolve_recipe_config(["--config", str(config_path)], config_path, "outputs")
+    checkpointing = None
+    if args.impl == "fsdp-peft":  # the recipe's activation checkpointing: auto, as fsdp_peft.recipe resolves it
+        from fsdp_peft.plan import run_checkpointing
+
+        checkpointing, chosen = run_checkpointing(recipe, training_values, "sft", config_path)
+        training_values = {**training_values, **chosen}
     training = build_training_arguments(training_values, config_path)
     on_gpu = torch.cuda.is_available()
 
@@ -364,6 +374,7 @@ def run_one(args) -> dict:
         from fsdp_peft.trainer import PeftFsdpTrainer
 
         model = attach_lora(load_base_model(recipe), recipe, training)
+        apply_checkpointing(model, checkpointing)
         make = lambda **kw: PeftFsdpTrainer(  # noqa: E731  (MemoryReport is built in)
             **kw,
             callbacks=[timer],
@@ -412,6 +423,8 @@ def run_one(args) -> dict:
         "peak_rss_bytes": report.get("peak_rss_bytes"),
         "final_loss": losses[-1] if losses else None,
         "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
+        "activation_checkpointing": checkpointing.to_json() if checkpointing else "every layer (the Trainer's)",
+        "checkpointed_layers": report.get("checkpointed_layers"),
     }
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if on_gpu and k in torch.cuda.get_device_name()), None)
     result["mfu"] = flops_per_token * result["tokens_per_second"] / peak if peak else None
@@ -691,7 +704,7 @@ def drive(args) -> None:
             "steps": args.steps,
             "sizes": {s: SIZES[s] for s in order if s in SIZES and s not in shapes},
             "bf16": True,
-            "gradient_checkpointing": True,
+            "activation_checkpointing": "fsdp-peft: the recipe's auto (the plan's choice); plain: every layer",
             "optim": "adamw_torch",
         },
         "runs": [],

@@ -688,7 +688,7 @@ def choose_checkpointing(plan: MemoryPlan, saved, offload_possible: bool, all_or
     plan.checkpointing_reason = (
         f"auto: the fewest whose planned peak, {gib(peak)}, is within {within}"
         if fitting
-        else f"auto: none is within {within}; the least memory of them ({gib(peak)})"
+        else f"auto: no choice is within {within}; the least memory of them ({gib(peak)})"
     )
     return options[-1]
 

@@ -579,6 +579,11 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             and vision["parameter_gradient_optimizer_bytes"]
             == (vision["planned"]["parameter_gradient_optimizer_bytes"])
         )
+        # the SFT pair: fsdp-peft as users launch it (the recipe's auto: nothing checkpointed without a GPU), plain
+        # Trainer + peft with every layer checkpointed (the baseline), as memory.json counts the flags in force
+        sft = {r["impl"]: r for r in report["runs"] if r["impl"] in ("fsdp-peft", "plain") and r["model"] == "tiny"}
+        assert sft["fsdp-peft"]["activation_checkpointing"]["reason"].startswith("auto: no GPU memory"), sft
+        assert sft["fsdp-peft"]["checkpointed_layers"] == 0 and sft["plain"]["checkpointed_layers"] == 4, sft
         # the split pair (2 gloo ranks against one process, QLoRA): tests/test_sequence_parallel.py's QLoRA bound
         assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]
         split = next(r for r in report["runs"] if r["impl"] == "sp split")
