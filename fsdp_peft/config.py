@@ -161,6 +161,10 @@ class RecipeArguments:
         default=1,
         metadata={"help": "ranks that split each row (Ulysses, FSDP2; docs/long-context.md); 1: no split"},
     )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "compile each decoder layer's training forward with torch.compile (fsdp_peft.compiled)"},
+    )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
         default=True, metadata={"help": "render prompts with the tokenizer's chat template"}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from fsdp_peft.checkpointing import CheckpointingChoice, choice_line
+from fsdp_peft.compiled import compile_report
 from fsdp_peft.export import export_merged
 from fsdp_peft.log import counted, logger
 from fsdp_peft.paths import resolve_model_path
@@ -32,13 +33,15 @@ def end_run(
     measure: Callable[[Path], dict],
     harness_during=None,
     checkpointing: CheckpointingChoice | None = None,
+    compiled_layers: int = 0,
 ) -> dict | None:
     """Finish a trained run (every rank calls it); returns the results dict on rank 0 (``None`` elsewhere).
 
     ``measure(output_dir)`` runs on every rank after the adapter is saved and returns the procedure's results
     (rank 0's go into ``results.json``); ``procedure`` (`fsdp_peft.procedure.Procedure`) names them and prints
     its own summary lines of them. ``harness_during``: the run's `fsdp_peft.evaluation.HarnessDuringTraining`, when
-    ``eval_tasks_steps`` made one. ``checkpointing``: what the run checkpointed and why (`fsdp_peft.recipe`).
+    ``eval_tasks_steps`` made one. ``checkpointing``: what the run checkpointed and why (`fsdp_peft.recipe`);
+    ``compiled_layers``: the layers ``compile: true`` compiled (`fsdp_peft.compiled`).
     """
     output_dir = Path(trainer.args.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
@@ -61,6 +64,7 @@ def end_run(
         "adapter_dir": str(adapter_dir),
         "fsdp": trainer.is_fsdp_enabled,
         "activation_checkpointing": checkpointing.to_json() if checkpointing else None,
+        "compiled": compile_report(compiled_layers) if compiled_layers else None,
         "merged_dir": str(merged_dir) if recipe.export_merged else None,
         "steps": trainer.state.global_step,
         "train_seconds": train_output.metrics["train_runtime"],
@@ -93,6 +97,9 @@ def summary(results: dict, output_dir: Path, procedure_lines: Callable[[dict, Pa
     lines += procedure_lines(results, output_dir)
     if results.get("activation_checkpointing"):
         lines.append(choice_line(results["activation_checkpointing"]))
+    if results.get("compiled"):
+        c = results["compiled"]
+        lines.append(f"compiled: {c['layers']} layers, {c['graphs']} graphs, {c['compile_seconds']:.1f} s compiling")
     lines += harness_lines(results)
     lines.append(f"adapter: {results['adapter_dir']}")
     if results["merged_dir"]:

@@ -24,6 +24,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_peft._compat import check_upstream
 from fsdp_peft.checkpointing import CheckpointingChoice, apply_checkpointing
+from fsdp_peft.compiled import compile_layers
 from fsdp_peft.config import (
     RecipeArguments,
     build_training_arguments,
@@ -72,6 +73,7 @@ def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure)
     setup = Setup(recipe, training, tokenizer, procedure.load_data(recipe, tokenizer, training), checkpoint=checkpoint)
     setup.model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights
     apply_checkpointing(setup.model, checkpointing)  # auto: the plan's layers (a config's own: the Trainer's)
+    compiled = compile_layers(setup.model) if recipe.compile else 0  # each layer's training forward, one graph
     before = ScoredBeforeTraining(procedure, setup)
     shared = {
         "args": training,
@@ -90,7 +92,7 @@ def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure)
         trainer.add_callback(during)
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     measure = lambda output_dir: procedure.after(trainer, setup, before.result, output_dir)  # noqa: E731
-    return end_run(trainer, recipe, name, procedure, started, train_output, measure, during, checkpointing)
+    return end_run(trainer, recipe, name, procedure, started, train_output, measure, during, checkpointing, compiled)
 
 
 def parse_recipe_config(

@@ -49,6 +49,7 @@ from fsdp_peft.moe import (
     expert_adapters_are_plain_lora,
     expert_adapters_have_no_dropout,
     expert_adapters_run_under_fsdp2,
+    experts_adapted,
     moe_keys_need_a_mixture_of_experts,
     moe_targets_reach_the_experts,
 )
@@ -321,6 +322,31 @@ def _device_memory_is_a_size(context: RuleContext) -> str | None:
         parse_size(value, "device_memory")
     except ConfigError:
         return f"device_memory: '{value}' is not auto or a size like 20GiB (the memory of one device)"
+    return None
+
+
+def _compile_where_it_is_tested(context: RuleContext) -> str | None:
+    if not context.recipe.compile:
+        return None
+    if context.training.get("torch_compile"):
+        return "compile: true compiles each layer; torch_compile: true compiles the whole model again: keep one"
+    if context.recipe.sequence_parallel_size > 1:
+        return (
+            f"compile: true with sequence_parallel_size {context.recipe.sequence_parallel_size}: the split's "
+            "all-to-all inside each layer is not compiled yet; set compile: false"
+        )
+    if on_xla():
+        return "compile: true on XLA: XLA compiles the whole step already; set compile: false"
+    if context.recipe.load_in_4bit:
+        return (
+            "compile: true with load_in_4bit: true: under FSDP bitsandbytes re-wraps every gathered 4-bit weight in "
+            "each forward, which torch.compile cannot trace (a graph break in every 4-bit layer); set compile: false"
+        )
+    if experts_adapted(context.recipe):
+        return (
+            "compile: true with LoRA on the experts (lora_target_parameters): peft adds and removes a "
+            "parametrization in each forward, which torch.compile cannot trace; set compile: false"
+        )
     return None
 
 
@@ -730,6 +756,7 @@ RULES: dict[Callable, tuple[str, ...]] = {
     _model_config_is_a_causal_lm: EVERY,
     _gather_budget_is_a_size: EVERY,
     _device_memory_is_a_size: EVERY,
+    _compile_where_it_is_tested: EVERY,
     _fsdp_needs_several_processes: EVERY,
     _one_activation_checkpointing: EVERY,
     _hybrid_shard_shards_in_the_cpu_mode: EVERY,

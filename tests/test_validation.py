@@ -196,6 +196,12 @@ CASES = {
         ["--device_memory", "lots"],
         "device_memory: 'lots' is not auto or a size like 20GiB (the memory of one device)",
     ),
+    "_compile_where_it_is_tested": (
+        LORA_TINY,
+        {},
+        ["--compile", "true", "--torch_compile", "true"],
+        "compile: true compiles each layer; torch_compile: true compiles the whole model again: keep one",
+    ),
     "_fsdp_needs_several_processes": (
         LORA_TINY,
         {"WORLD_SIZE": "1"},
