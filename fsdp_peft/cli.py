@@ -83,10 +83,17 @@ def _validate(args: argparse.Namespace) -> None:
     from fsdp_peft.validation import check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
-    recipe, training_values, options = resolve_recipe_config(["--config", str(args.config)], args.config, "outputs")
+    unreadable: list[str] = []  # unknown keys and unreadable values: listed with every other problem
+    argv = ["--config", str(args.config)]
+    recipe, training_values, options = resolve_recipe_config(argv, args.config, "outputs", unreadable)
     with _environment(launcher), hub_data_out_of_reach_noted():
         procedure = procedure_of_config(args.config)  # a DPO/KTO or GRPO config by its keys, else SFT
-        check_before_training(with_procedure_defaults(recipe, procedure), training_values, True, procedure)
+        try:
+            check_before_training(with_procedure_defaults(recipe, procedure), training_values, True, procedure)
+        except ConfigError as problems:
+            raise ConfigError("\n       ".join([*unreadable, str(problems)])) from None
+        if unreadable:
+            raise ConfigError("\n       ".join(unreadable))
     with _environment({k: v for k, v in launcher.items() if k != "WORLD_SIZE"}):
         build_training_arguments(training_values, options.config)
     print(f"{args.config}: ok" + (f" under {args.accelerate_config}" if args.accelerate_config else ""))

@@ -28,7 +28,7 @@ from fsdp_peft.dtypes import DTYPES, dtype_named, short_dtype_name
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.families import AUTO_TARGETS
 from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
-from fsdp_peft.keys import plain_value
+from fsdp_peft.keys import field_types, plain_value, type_problems
 from fsdp_peft.strict_yaml import load_yaml_file
 from fsdp_peft.xla import on_xla
 
@@ -296,8 +296,9 @@ def procedure_of(values: dict) -> str:
 
 
 def procedure_of_config(path: Path) -> str:
-    """The procedure of the recipe YAML at ``path`` (its includes followed): `procedure_of` its keys."""
-    return procedure_of(read_yaml_config(Path(path)))
+    """The procedure of the recipe YAML at ``path`` (its includes followed): `procedure_of` its known keys (unknown
+    ones are for `read_yaml_config` to report)."""
+    return procedure_of(read_yaml_config(Path(path), problems=[]))
 
 
 def with_procedure_defaults(recipe: RecipeArguments, procedure: str) -> RecipeArguments:
@@ -317,7 +318,17 @@ class _Parser(HfArgumentParser):
 
     def error(self, message: str):
         named = re.match(r"argument --(\w+)(?:/--[\w-]+)*: (.*)", message)
-        raise ConfigError(f"{named[1]}: {named[2]}" if named else message)
+        if named:
+            raise KeyValueError(named[1], f"{named[1]}: {named[2]}")
+        raise ConfigError(message)
+
+
+class KeyValueError(ConfigError):
+    """A value the parser cannot read for ``key`` (``lora_alpha: many``)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 def _bool_or_auto(text: str) -> bool | str:
@@ -355,8 +366,9 @@ LIST_KEYS = (
 )
 
 
-def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
-    """Load a recipe YAML, its ``include:`` base first, and check that every key is known (all at once)."""
+def read_yaml_config(path: Path, included_from: tuple[Path, ...] = (), problems: list[str] | None = None) -> dict:
+    """Load a recipe YAML, its ``include:`` base first, and check that every key is known (all at once); with
+    ``problems`` (`fsdp-peft validate`), unknown keys are added to it and left out instead of stopping there."""
     if not path.is_file():
         where = f"{included_from[-1]}: include" if included_from else "--config"
         raise ConfigError(f"{where}: file not found: {path}")
@@ -366,15 +378,18 @@ def read_yaml_config(path: Path, included_from: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
     valid = set(known_keys())
     unknown = [_unknown_key_error(str(key), str(path)) for key in values if key not in valid and key != INCLUDE_KEY]
-    if unknown:
+    if unknown and problems is None:
         raise ConfigError("\n       ".join(map(str, unknown)))
+    if unknown:
+        problems += map(str, unknown)
+        values = {key: value for key, value in values.items() if key in valid or key == INCLUDE_KEY}
     values = {key: _beside_the_config(value, path) if key in DATA_PATH_KEYS else value for key, value in values.items()}
     if INCLUDE_KEY not in values:
         return values
     base = _include_path(values.pop(INCLUDE_KEY), path)
     if base.resolve() in {p.resolve() for p in (*included_from, path)}:
         raise ConfigError(f"{path}: include: {base} includes itself (through {' -> '.join(map(str, included_from))})")
-    return {**read_yaml_config(base, (*included_from, path)), **values}
+    return {**read_yaml_config(base, (*included_from, path), problems), **values}
 
 
 def _beside_the_config(value, config: Path):
@@ -405,20 +420,29 @@ def _check_cli_keys(argv: list[str]) -> None:
 
 
 def resolve_recipe_config(
-    argv: list[str], default_config: Path, default_output_dir: str
+    argv: list[str], default_config: Path, default_output_dir: str, problems: list[str] | None = None
 ) -> tuple[RecipeArguments, dict, argparse.Namespace]:
     """The recipe arguments, the ``TrainingArguments`` values (not yet checked or built) and the options
-    (``--config``, ``--print-config``)."""
+    (``--config``, ``--print-config``). With ``problems`` (`fsdp-peft validate`, which lists every problem at
+    once), a config's unknown keys and values the parser cannot read are added to it and left at their defaults."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", type=Path, default=default_config)
     pre.add_argument("--print-config", "--print_config", action="store_true")
     options, rest = pre.parse_known_args(argv)
-    values = read_yaml_config(options.config)
+    values = read_yaml_config(options.config, problems=problems)
     _check_cli_keys(rest)
 
-    parser = _Parser((RecipeArguments, TrainingArguments), allow_abbrev=False)
-    parser.set_defaults(**values)
-    namespace, leftover = parser.parse_known_args(rest)
+    while True:  # with problems: once more without each key the parser cannot read from the config
+        parser = _Parser((RecipeArguments, TrainingArguments), allow_abbrev=False)
+        parser.set_defaults(**values)
+        try:
+            namespace, leftover = parser.parse_known_args(rest)
+            break
+        except KeyValueError as unreadable:
+            if problems is None or unreadable.key not in values:
+                raise
+            hints = field_types(RecipeArguments, TrainingArguments)
+            problems += type_problems({unreadable.key: values.pop(unreadable.key)}, hints) or [str(unreadable)]
     if leftover:
         raise ConfigError(f"command line: unexpected argument '{leftover[0]}'; overrides are written --key value")
     parsed = vars(namespace)

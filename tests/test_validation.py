@@ -708,3 +708,20 @@ def test_a_wrong_type_does_not_hide_the_other_problems(tmp_path):
         "output_dir",
     ], lines
     assert lines[0] == "error: lora_alpha: expected a whole number, got [1, 2] (list)", lines
+
+
+def test_an_unknown_key_and_an_unreadable_value_are_listed_with_every_other_problem(tmp_path):
+    """Neither stops validate alone: the rules see those keys at their defaults and say the rest."""
+    (tmp_path / "a_file").write_text("")
+    config = tmp_path / "my.yaml"
+    config.write_text(
+        f"include: {LORA_TINY}\nlearnin_rate: 1\nlora_alpha: many\nlora_r: 0\noutput_dir: {tmp_path / 'a_file'}\n"
+    )
+    code, lines = _validate_lines(config)
+    assert code == 2 and [line.strip() for line in lines] == [
+        f"error: {config}: unknown key 'learnin_rate'; did you mean 'learning_rate'?",
+        "lora_alpha: expected a whole number, got 'many' (str)",
+        "lora_r: must be positive, got 0",
+        f"output_dir: '{tmp_path / 'a_file'}' is a file, not a directory; point output_dir at a new or existing "
+        "directory",
+    ], lines
