@@ -41,3 +41,20 @@ def test_a_launch_loads_a_tasks_data_as_configured_and_refuses_what_it_cannot_lo
     with pytest.raises(ConfigError, match="^eval_tasks: gsm8k: its data could not be loaded"):
         _load_one(manager, "gsm8k", "eval_tasks")
     assert manager.offline_during_load == before
+
+
+def test_a_harness_task_is_found_in_the_directories_that_name_it_as_the_whole_index_finds_it():
+    """validate indexes only the harness directories whose YAML text names the task (the whole ~15k-task index takes
+    seconds): each name below, a task, a group and a tag, points at the same definition and children either way."""
+    from lm_eval.tasks import TaskManager
+
+    from fsdp_peft.eval_tasks import EVAL_TASKS_DIR, _harness_task_manager
+
+    whole = TaskManager(include_path=[str(EVAL_TASKS_DIR)], include_defaults=True)
+    for name in ("gsm8k", "mmlu", "hellaswag", "tiny_reverse_em"):
+        narrowed, is_narrowed = _harness_task_manager((EVAL_TASKS_DIR,), (name,))
+        assert is_narrowed and len(narrowed.all_tasks) < len(whole.all_tasks) / 10, name
+        mine, theirs = narrowed.task_index[name], whole.task_index[name]
+        assert (mine.kind, mine.yaml_path, mine.cfg) == (theirs.kind, theirs.yaml_path, theirs.cfg), name
+    _, is_narrowed = _harness_task_manager((EVAL_TASKS_DIR,), ("no_such_task_anywhere",))
+    assert not is_narrowed  # a name no YAML mentions: the whole index says it is unknown (and suggests one)
