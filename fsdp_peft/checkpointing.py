@@ -10,7 +10,7 @@ own ``activation_checkpointing_kwargs``: ``every_n_layers``, ``offload``) is lef
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AUTO = "auto"
 MARGIN = 0.10  # auto keeps the planned peak at most 90% of the device: the plan's stated accuracy on GPUs
@@ -56,7 +56,7 @@ class CheckpointingChoice:
     layers: int  # the model's decoder layers
     reason: str
     by_the_recipe: bool = False  # auto: `apply_checkpointing` sets the layers; else the Trainer, from the config
-    checkpoint_kwargs: tuple = ()  # the config's arguments for torch.utils.checkpoint (use_reentrant), as items
+    checkpoint_kwargs: dict = field(default_factory=dict)  # the config's for torch.utils.checkpoint (use_reentrant)
 
     def to_json(self) -> dict:
         c = self.checkpointing
@@ -94,15 +94,19 @@ def requested(training: dict, total: int) -> Checkpointing | str:
         return AUTO
     if not any(set_values):
         return NONE
-    kwargs = next((training[key] for key in KWARGS_KEYS if isinstance(training.get(key), dict)), {}) or {}
+    kwargs = _kwargs(training)
     spacing = int(kwargs.get("every_n_layers", 1))
     return Checkpointing(math.ceil(total / spacing), spacing, bool(kwargs.get("offload", False)))
 
 
+def _kwargs(training: dict) -> dict:
+    """The config's ``activation_checkpointing_kwargs`` (or its deprecated alias's)."""
+    return next((training[key] for key in KWARGS_KEYS if isinstance(training.get(key), dict)), {}) or {}
+
+
 def checkpoint_kwargs(training: dict) -> dict:
     """The config's ``activation_checkpointing_kwargs`` that go on to ``torch.utils.checkpoint`` (``use_reentrant``)."""
-    kwargs = next((training[key] for key in KWARGS_KEYS if isinstance(training.get(key), dict)), {}) or {}
-    return {key: value for key, value in kwargs.items() if key not in ("every_n_layers", "offload")}
+    return {key: value for key, value in _kwargs(training).items() if key not in ("every_n_layers", "offload")}
 
 
 def apply_checkpointing(model, choice: CheckpointingChoice) -> int:
@@ -115,7 +119,7 @@ def apply_checkpointing(model, choice: CheckpointingChoice) -> int:
         return 0
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False, **dict(choice.checkpoint_kwargs)},
+        activation_checkpointing_kwargs={"use_reentrant": False, **choice.checkpoint_kwargs},
         offload=choice.checkpointing.offload,
     )
     layers = [module for module in base.modules() if isinstance(module, GradientCheckpointingLayer)]

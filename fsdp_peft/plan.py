@@ -870,5 +870,5 @@ def run_checkpointing(recipe, training: dict, procedure: str, source) -> tuple[C
             f"{plan.checkpointing.describe(plan.checkpointable_layers)}); `fsdp-peft plan` shows every row"
         )
     wrapper = plan.checkpointing_reason.startswith(("fsdp_activation_checkpointing", "xla_fsdp_grad_ckpt"))
-    kwargs = tuple(checkpoint_kwargs(training).items())
+    kwargs = checkpoint_kwargs(training)
     return CheckpointingChoice(plan.checkpointing, layers, plan.checkpointing_reason, not wrapper, kwargs), off
