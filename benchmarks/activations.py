@@ -63,7 +63,7 @@ def measure(loss: str, checkpointing: bool, tokens: int, vocab: int) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdp_peft.checkpointing import ALL, NONE
+    from fsdp_peft.checkpointing import NONE, every
     from fsdp_peft.config import RecipeArguments
     from fsdp_peft.loss import head_computes_loss
     from fsdp_peft.plan import activation_bytes
@@ -130,7 +130,7 @@ def measure(loss: str, checkpointing: bool, tokens: int, vocab: int) -> dict:
     one_layer = one_layer_saved_bytes() if checkpointing else 0
     measured = body + head + one_layer
     recipe = RecipeArguments(lora_dropout=0.0, loss_chunk_tokens=CHUNK if loss == "chunked" else 0)
-    planned = activation_bytes(config, recipe, tokens, 4, ALL if checkpointing else NONE)
+    planned = activation_bytes(config, recipe, tokens, 4, every(config.num_hidden_layers) if checkpointing else NONE)
     return {
         "loss": loss,
         "gradient_checkpointing": checkpointing,
