@@ -528,10 +528,11 @@ def plan_recipe(
         notes.append(f"attn_implementation: {which} keeps seq x seq attention weights per layer; not counted")
     layers = model_config.get_text_config().num_hidden_layers
     asked = requested(training, layers)
+    choose = False  # auto, and nothing else checkpoints: the plan chooses below, once every other row is known
     if settings and settings.activation_checkpointing:
         checkpointing, reason = every(layers), "fsdp_activation_checkpointing: true (FSDP's own, every layer)"
     elif asked == AUTO:
-        checkpointing, reason = NONE, ""  # chosen below, once every other row is known
+        checkpointing, reason, choose = NONE, "", True
     else:
         checkpointing, reason = asked, "as the config sets it"
     offload = bool(settings and settings.offload_params) if offload_params is None else offload_params
@@ -576,9 +577,9 @@ def plan_recipe(
         fsdp, xla_checkpointing, tokens = xla
         if xla_checkpointing:
             checkpointing, reason = every(layers), "xla_fsdp_grad_ckpt: true (every layer)"
-        elif asked == AUTO:
+        elif choose:
             checkpointing, reason = NONE, "auto on XLA: xla_fsdp_grad_ckpt decides (off)"
-        asked = checkpointing
+        choose = False
         notes = [note for note in notes if not note.startswith("no FSDP settings")]
         if recipe.loss_chunk_tokens:
             notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {ON_XLA}")
@@ -650,7 +651,7 @@ def plan_recipe(
             "before quantizing them; fsdp_cpu_ram_efficient_loading: true quantizes them tensor by tensor on rank 0"
         )
     least = plan.checkpointing
-    if asked == AUTO:
+    if choose:
         vision = is_vision_config(model_config)  # the vision blocks checkpoint as layers too: all or none there
 
         def saved(checkpointing: Checkpointing) -> int:

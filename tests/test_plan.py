@@ -331,3 +331,18 @@ def test_plan_flags_override_the_accelerate_configs_loading_and_offload_and_say_
     main(["plan", config, "--accelerate-config", fsdp2, "--gpu-memory", "48GB", "--low-memory-loading", "--offload"])
     shown = capsys.readouterr().out
     assert "offload on; low-memory loading on" in shown and "offload on (from --offload)" in shown
+
+
+def test_auto_leaves_every_layer_to_fsdps_own_checkpointing(tmp_path):
+    """With fsdp_activation_checkpointing (accelerate's checkpoint wrapper on every layer) the plan does not choose
+    layers of its own under auto, however little memory there is: the run would checkpoint them a second time."""
+    from fsdp_peft.config import resolve_recipe_config
+    from fsdp_peft.plan import plan_recipe
+
+    config = recipe_config(tmp_path, "lora")
+    recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, str(tmp_path))
+    launcher = {**launcher_environment(CPU_FSDP2), "FSDP_ACTIVATION_CHECKPOINTING": "true"}
+    with _environment(launcher):
+        plan = plan_recipe(recipe, training, "sft", str(config), 2, 2**30)  # tight: auto alone would choose layers
+    assert plan.checkpointing.count == plan.checkpointable_layers == 4 and plan.checkpointing_choices == []
+    assert plan.checkpointing_reason == "fsdp_activation_checkpointing: true (FSDP's own, every layer)"
