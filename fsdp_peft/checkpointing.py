@@ -109,12 +109,17 @@ def checkpoint_kwargs(training: dict) -> dict:
     return {key: value for key, value in _kwargs(training).items() if key not in ("every_n_layers", "offload")}
 
 
+def blocks(model) -> list:
+    """``model``'s transformer blocks as transformers marks them (its ``GradientCheckpointingLayer``s), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer  # lazy: config and keys import this module
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
 def apply_checkpointing(model, choice: CheckpointingChoice) -> int:
     """Checkpoint the first ``choice`` layers of ``model`` (a PeftModel or a transformers model) with transformers'
     own machinery, the rest not; returns how many are. Only for the plan's choices: a config's own setting is the
     Trainer's to apply."""
-    from transformers.modeling_layers import GradientCheckpointingLayer  # lazy: config and keys import this module
-
     if not choice.by_the_recipe or not choice.checkpointing.count:
         return 0
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -122,7 +127,7 @@ def apply_checkpointing(model, choice: CheckpointingChoice) -> int:
         activation_checkpointing_kwargs={"use_reentrant": False, **choice.checkpoint_kwargs},
         offload=choice.checkpointing.offload,
     )
-    layers = [module for module in base.modules() if isinstance(module, GradientCheckpointingLayer)]
+    layers = blocks(base)
     if choice.checkpointing.count < choice.layers:  # some: the first ones (all: every block, a VLM's tower too)
         for index, layer in enumerate(layers):
             layer.gradient_checkpointing = index < choice.checkpointing.count

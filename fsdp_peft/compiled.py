@@ -11,7 +11,8 @@ sequence length makes the length dynamic: about four graphs in all, counted in `
 from __future__ import annotations
 
 import torch
-from transformers.modeling_layers import GradientCheckpointingLayer
+
+from fsdp_peft.checkpointing import blocks
 
 
 def compile_layers(model: torch.nn.Module) -> int:
@@ -19,7 +20,7 @@ def compile_layers(model: torch.nn.Module) -> int:
     returns how many: the language model's (a vision tower's blocks stay eager: their attention splits each image's
     patches by lengths read from a tensor, a graph break in every block)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = [module for module in base.get_decoder().modules() if isinstance(module, GradientCheckpointingLayer)]
+    layers = blocks(base.get_decoder())
     for layer in layers:
         layer.forward = _training_compiled(layer, layer.forward)
     return len(layers)

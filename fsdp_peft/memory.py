@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from fsdp_peft.checkpointing import blocks
 from fsdp_peft.distributed import gathered_from_every_rank
 from fsdp_peft.log import logger
 
@@ -94,10 +94,10 @@ def peak_rss_bytes() -> int:
 def checkpointed_layers(model: torch.nn.Module) -> dict:
     """The model's checkpointable blocks (transformers' ``GradientCheckpointingLayer``) and how many recompute their
     forward in backward (their ``gradient_checkpointing`` flag, which activation checkpointing sets), as in force."""
-    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    found = blocks(model)
     return {
-        "checkpointable_layers": len(blocks),
-        "checkpointed_layers": sum(bool(getattr(m, "gradient_checkpointing", False)) for m in blocks),
+        "checkpointable_layers": len(found),
+        "checkpointed_layers": sum(bool(getattr(m, "gradient_checkpointing", False)) for m in found),
     }
 
 

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig
 
+from fsdp_peft import distributed
 from fsdp_peft._compat import peft_wrapped
 from fsdp_peft.attention import chosen_attention
 from fsdp_peft.checkpointing import (
@@ -654,12 +655,12 @@ def plan_recipe(
     if choose:
         vision = is_vision_config(model_config)  # the vision blocks checkpoint as layers too: all or none there
 
-        def saved(checkpointing: Checkpointing) -> int:
+        def activations(checkpointing: Checkpointing) -> int:
             return activation_bytes(
                 model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks
             )
 
-        least = choose_checkpointing(plan, saved, offload_possible, vision)
+        least = choose_checkpointing(plan, activations, offload_possible, vision)
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
     if procedure == SFT and xla is None:
         plan.longest_sequence = longest_sequence(
@@ -668,10 +669,10 @@ def plan_recipe(
     return plan
 
 
-def choose_checkpointing(plan: MemoryPlan, saved, offload_possible: bool, all_or_none: bool) -> Checkpointing:
+def choose_checkpointing(plan: MemoryPlan, activations, offload_possible: bool, all_or_none: bool) -> Checkpointing:
     """``activation_checkpointing: auto``: the first of `fsdp_peft.checkpointing.candidates` (fewest layers first)
-    whose peak stays within ``1 - MARGIN`` of the GPU, else the last (the least memory); ``saved(checkpointing)``
-    gives a candidate's activations. Sets the plan's checkpointing, its activations row, the candidates and why;
+    whose peak stays within ``1 - MARGIN`` of the GPU, else the last (the least memory); ``activations(checkpointing)``
+    gives a candidate's activations row. Sets the plan's checkpointing, its activations row, the candidates and why;
     returns the least memory of them."""
     total = plan.checkpointable_layers
     options = candidates(total, offload_possible)
@@ -679,12 +680,13 @@ def choose_checkpointing(plan: MemoryPlan, saved, offload_possible: bool, all_or
         options = [c for c in options if c.count in (0, total)]
     others = plan.gpu_total - plan.gpu["activations (est.)"]
     limit = int(plan.gpu_memory_bytes * (1 - MARGIN))
-    peaks = [(c, max(others + saved(c), plan.gpu_loading)) for c in options]
-    plan.checkpointing_choices = [{"checkpointing": c.describe(total), "peak": peak} for c, peak in peaks]
-    fitting = [(c, peak) for c, peak in peaks if peak <= limit]
-    chosen, peak = fitting[0] if fitting else peaks[-1]
+    rows = [(c, activations(c)) for c in options]
+    peaks = [(c, row, max(others + row, plan.gpu_loading)) for c, row in rows]
+    plan.checkpointing_choices = [{"checkpointing": c.describe(total), "peak": peak} for c, _, peak in peaks]
+    fitting = [choice for choice in peaks if choice[2] <= limit]
+    chosen, row, peak = fitting[0] if fitting else peaks[-1]
     plan.checkpointing = chosen
-    plan.gpu["activations (est.)"] = saved(chosen)
+    plan.gpu["activations (est.)"] = row
     within = f"{1 - MARGIN:.0%} of {budget(plan.gpu_memory_bytes)}"
     plan.checkpointing_reason = (
         f"auto: the fewest whose planned peak, {gib(peak)}, is within {within}"
@@ -846,7 +848,7 @@ def device_memory(recipe) -> int | None:
         return parse_size(recipe.device_memory, "device_memory")
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    return torch.cuda.get_device_properties(distributed.ranks().local_rank).total_memory
 
 
 def run_checkpointing(recipe, training: dict, procedure: str, source) -> tuple[CheckpointingChoice, dict]:
