@@ -13,6 +13,9 @@ TINY_QWEN3_VL_NAME = "tiny-qwen3-vl"
 TINY_GEMMA_VL_NAME = "tiny-gemma3-vl"
 TINY_VISION_MODEL_NAMES = (TINY_QWEN_VL_NAME, TINY_QWEN3_VL_NAME, TINY_GEMMA_VL_NAME)
 EMBEDDED_MODEL_NAMES = (*TINY_CAUSAL_LM_NAMES, *TINY_VISION_MODEL_NAMES)  # causal LMs, then vision-language models
+SMOLLM2_NAME = "smollm2-135m-instruct"  # a real model, built from the package index's copy (fsdp_peft.smollm2)
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline and not in the hub cache: that same copy
+OFFLINE_MODEL_NAMES = (*EMBEDDED_MODEL_NAMES, SMOLLM2_NAME)  # every model a config may name without the hub
 
 TINY_DATASET_NAME = "tiny-reverse"
 TINY_PREFERENCE_NAME = "tiny-preference"

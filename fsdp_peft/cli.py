@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 from fsdp_peft.catalog import copy_shipped, shipped
-from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, GATHER_BUDGET_HELP, TINY_COLORS_NAME, TINY_MODEL_NAME
+from fsdp_peft.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, TINY_COLORS_NAME, TINY_MODEL_NAME
 from fsdp_peft.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.unreachable_hub import hub_data_out_of_reach_noted
 
@@ -158,9 +158,9 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _tiny(args: argparse.Namespace) -> None:
-    from fsdp_peft.paths import tiny_colors_path, tiny_model_path  # lazy: ls/cp must not import torch
+    from fsdp_peft.paths import resolve_model_path, tiny_colors_path  # lazy: ls/cp must not import torch
 
-    print(tiny_colors_path() if args.name == TINY_COLORS_NAME else tiny_model_path(args.name))
+    print(tiny_colors_path() if args.name == TINY_COLORS_NAME else resolve_model_path(args.name))
 
 
 @exits_cleanly_on_user_error
@@ -329,15 +329,16 @@ def _add_model_commands(commands) -> None:
     evaluate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     evaluate.set_defaults(run=_eval)
     tiny = commands.add_parser(
-        "tiny-model", help="build an embedded tiny model or the image task tiny-colors (once) and print its path"
+        "tiny-model",
+        help="build an embedded tiny model, SmolLM2-135M-Instruct or the image task tiny-colors (once); print its path",
     )
     # every name a config's model_name_or_path (or a vision recipe's dataset) may give, so each can be inspected
     tiny.add_argument(
         "name",
         nargs="?",
         default=TINY_MODEL_NAME,
-        choices=[*EMBEDDED_MODEL_NAMES, TINY_COLORS_NAME],
-        help=f"an embedded model, or {TINY_COLORS_NAME} (the image task's directory); default: {TINY_MODEL_NAME}",
+        choices=[*OFFLINE_MODEL_NAMES, TINY_COLORS_NAME],
+        help=f"a model that needs no hub, or {TINY_COLORS_NAME} (the image task); default: {TINY_MODEL_NAME}",
     )
     tiny.set_defaults(run=_tiny)
 

@@ -32,11 +32,16 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from fsdp_peft.errors import ConfigError
 from fsdp_peft.log import logger
+from fsdp_peft.real_tasks import ISO_DATES_NAME, task_dir
 from fsdp_peft.tiny import TINY_DATASET_DIR
 from fsdp_peft.unreachable_hub import out_of_reach_noted
 
 EVAL_TASKS_DIR = Path(__file__).parent / "harness_tasks"  # written by hand, beside the generated assets
-SHIPPED_TASKS = ("tiny_reverse_em", "tiny_reverse_ll")  # and the tag over both, ``tiny_reverse``
+SHIPPED_TASKS = (
+    "tiny_reverse_em",
+    "tiny_reverse_ll",
+    "iso_dates_em",
+)  # and the tag ``tiny_reverse`` over the first two
 EVAL_TASKS_KEY = "eval_tasks"  # the recipe key: harness tasks at the end of training
 GENERATION_KWARGS = {  # what HarnessLM follows: stop strings, length (under each of the harness's names), sampling
     "until",
@@ -54,12 +59,19 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _splits(directory: Path) -> DatasetDict:
+    return DatasetDict({split: Dataset.from_list(_rows(directory / f"{split}.jsonl")) for split in ("train", "eval")})
+
+
 def tiny_reverse(**_) -> DatasetDict:
     """The embedded reversal data as the harness reads a dataset: ``train`` and ``eval`` (the recipes' held-out
     rows, in their order); keyword arguments (the harness passes its metadata) are not used."""
-    return DatasetDict(
-        {split: Dataset.from_list(_rows(TINY_DATASET_DIR / f"{split}.jsonl")) for split in ("train", "eval")}
-    )
+    return _splits(TINY_DATASET_DIR)
+
+
+def iso_dates(**_) -> DatasetDict:
+    """SmolLM2's real task (`fsdp_peft.real_tasks`), read as `tiny_reverse` reads its data."""
+    return _splits(task_dir(ISO_DATES_NAME))
 
 
 @dataclass

@@ -3,23 +3,36 @@
 The cache is ``$FSDP_PEFT_CACHE``, else ``~/.cache/fsdp_peft``: the tiny models' checkpoints (built from
 their seed by `fsdp_peft.tiny` and `fsdp_peft.tiny_vision` on first use), the embedded image task
 (`tiny_colors_path`) and the tokenized data (`fsdp_peft.data.cache`).
-`resolve_model_path` turns a ``model_name_or_path`` that names a tiny model into its cache directory.
+SmolLM2-135M-Instruct, a real model, is built there too, from the package index's copy (`fsdp_peft.smollm2`).
+`resolve_model_path` turns a ``model_name_or_path`` that names either into its cache directory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 from pathlib import Path
 
+from fsdp_peft import smollm2
 from fsdp_peft.atomic_publish import publish_directory
-from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, TINY_COLORS_NAME, TINY_MODEL_NAME, TINY_VISION_MODEL_NAMES
+from fsdp_peft.choices import (
+    EMBEDDED_MODEL_NAMES,
+    SMOLLM2_HUB_ID,
+    SMOLLM2_NAME,
+    TINY_COLORS_NAME,
+    TINY_MODEL_NAME,
+    TINY_VISION_MODEL_NAMES,
+)
 from fsdp_peft.tiny import TINY_MODEL_ASSETS, WEIGHTS_SEED, write_tiny_model
 from fsdp_peft.tiny_vision import (
     COLORS_SEED,
     write_tiny_colors,
     write_tiny_vision_model,
 )
+
+logger = logging.getLogger(__package__)  # fsdp_peft.log's logger, not its imports: most of the package stands on this
 
 
 def cache_dir() -> Path:
@@ -42,6 +55,25 @@ def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
     return target
 
 
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct's checkpoint directory, built on first use from the package index's copy (safe when
+    several ranks race: each builds, the first to finish is kept)."""
+    target = cache_dir() / smollm2.CHECKPOINT_NAME
+    if (target / "model.safetensors").is_file():
+        return target
+    with publish_directory(target) as staging:
+        smollm2.build(staging)
+    return target
+
+
+@functools.cache
+def _note_packaged_smollm2() -> None:
+    logger.info(
+        f"{SMOLLM2_HUB_ID}: the hub is offline and the model is not in its cache; using the copy from the package "
+        f"index ({smollm2.PACKAGE} {smollm2.VERSION}, Q4_1 weights), as model_name_or_path: {SMOLLM2_NAME} would"
+    )
+
+
 def tiny_colors_path() -> Path:
     """The embedded image task's directory (``train.jsonl``, ``eval.jsonl``, ``images/``), created on first use
     (safe when several ranks race)."""
@@ -54,14 +86,20 @@ def tiny_colors_path() -> Path:
 
 
 def resolve_model_path(name: str) -> str:
-    """Where ``model_name_or_path`` points: a tiny model's cache directory, else ``name`` unchanged.
+    """Where ``model_name_or_path`` points: a tiny model's or SmolLM2's cache directory, else ``name`` unchanged.
 
     A tiny model is named by its name (``tiny-qwen2``) or by a cache directory of it that no longer
-    exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here.
+    exists (``.../tiny-qwen2-seed1234``, as recorded in an adapter), which is then rebuilt here; SmolLM2 likewise
+    (``smollm2-135m-instruct``, its cache directory), and by its hub id when the hub is offline and has no copy.
     """
     if name in EMBEDDED_MODEL_NAMES:
         return str(tiny_model_path(name))
     path = Path(name)
+    if name == SMOLLM2_NAME or (path.name == smollm2.CHECKPOINT_NAME and not path.exists()):
+        return str(smollm2_path())
+    if name == SMOLLM2_HUB_ID and hub_offline() and not hub_model_cached(name):
+        _note_packaged_smollm2()
+        return str(smollm2_path())
     for tiny in EMBEDDED_MODEL_NAMES:
         if path.name == f"{tiny}-seed{WEIGHTS_SEED}" and not path.exists():
             return str(tiny_model_path(tiny))

@@ -31,6 +31,8 @@ import torch
 
 from fsdp_peft.choices import TINY_MODEL_NAME
 from fsdp_peft.families import tiny_family
+from fsdp_peft.real_tasks import write_assets as write_real_tasks
+from fsdp_peft.real_tasks import write_splits
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL_ASSETS = ASSETS / "tiny_llama"
@@ -194,21 +196,15 @@ def write_assets(assets: Path = ASSETS) -> None:
 
     rng = random.Random(DATA_SEED)
     seen: set[str] = set()
-    data_dir = assets / "tiny_reverse"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
-        rows = make_reverse_rows(count, rng, seen)
-        with open(data_dir / f"{split}.jsonl", "w") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)
-
+    reversal = {
+        split: make_reverse_rows(count, rng, seen) for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS))
+    }
+    write_splits(assets / "tiny_reverse", reversal)
     rng = random.Random(PREFERENCE_DATA_SEED)
     seen = set()
-    data_dir = assets / "tiny_preference"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", TRAIN_ROWS), ("eval", EVAL_ROWS)):
-        rows = make_preference_rows(count, rng, seen)
-        with open(data_dir / f"{split}.jsonl", "w") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)
+    splits = (("train", TRAIN_ROWS), ("eval", EVAL_ROWS))
+    write_splits(assets / "tiny_preference", {split: make_preference_rows(n, rng, seen) for split, n in splits})
+    write_real_tasks(assets)  # SmolLM2's tasks, from their own seeds
 
 
 def build_family_config(name: str, tokenizer):

@@ -22,7 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from fsdp_peft.attention import architecture_problem, attention_problem, model_class_named
 from fsdp_peft.checkpointing import CHECKPOINTING_KEYS
-from fsdp_peft.choices import EMBEDDED_MODEL_NAMES, GATHER_BUDGET_HELP, TINY_DATASET_NAME
+from fsdp_peft.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, SMOLLM2_HUB_ID, TINY_DATASET_NAME
 from fsdp_peft.config import PREFERENCE, RL, SFT, unset_training_values
 from fsdp_peft.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.data.formats import DATA_FORMATS, source_examples
@@ -193,16 +193,16 @@ def _model_name_is_known(context: RuleContext) -> str | None:
     would cost the launch its hub retries: one line now, with the closest names."""
     recipe = context.recipe
     name = recipe.model_name_or_path
-    if name in EMBEDDED_MODEL_NAMES or Path(name).expanduser().exists():
+    if name in OFFLINE_MODEL_NAMES or Path(name).expanduser().exists():
         return None
-    close = difflib.get_close_matches(name, EMBEDDED_MODEL_NAMES, n=1, cutoff=0.8)
+    close = difflib.get_close_matches(name, OFFLINE_MODEL_NAMES, n=1, cutoff=0.8)
     if "/" not in name and (close or name.startswith("tiny-")):
         suggestion = f"did you mean '{close[0]}'? " if close else ""
         return (
             f"model_name_or_path: '{name}' is no embedded model, directory or hub id; {suggestion}"
-            f"the embedded models are {', '.join(EMBEDDED_MODEL_NAMES)}"
+            f"the models that need no hub are {', '.join(OFFLINE_MODEL_NAMES)}"
         )
-    if not hub_offline() or hub_model_cached(name):
+    if not hub_offline() or hub_model_cached(name) or name == SMOLLM2_HUB_ID:  # offline: the packaged copy
         return None
     if out_of_reach_noted() and shipped_hub_config(name) is not None:
         return None  # `fsdp-peft validate` of a shipped config on a machine without the model: the launch downloads

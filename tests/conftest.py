@@ -50,8 +50,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:
-    """A fresh cache for the embedded model, so the tests also cover building it from the seed."""
-    cache = Path(os.environ.get("FSDP_PEFT_TEST_CACHE") or tmp_path_factory.mktemp("fsdp_peft_cache"))
+    """A fresh cache for the embedded model, so the tests also cover building it from the seed: one for the run of
+    the suite, shared by its xdist workers (building is safe when processes race), so SmolLM2 is built once."""
+    shared = os.environ.get("PYTEST_XDIST_WORKER") and tmp_path_factory.getbasetemp().parent / "fsdp_peft_cache"
+    cache = Path(os.environ.get("FSDP_PEFT_TEST_CACHE") or shared or tmp_path_factory.mktemp("fsdp_peft_cache"))
+    cache.mkdir(parents=True, exist_ok=True)
     os.environ["FSDP_PEFT_CACHE"] = str(cache)
     return cache
 
@@ -61,6 +64,14 @@ def tiny_model_dir(tiny_cache) -> Path:
     from fsdp_peft.paths import tiny_model_path
 
     return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tiny_cache) -> Path:
+    """SmolLM2-135M-Instruct built into the session's cache (`fsdp_peft.smollm2`): once per run of the suite."""
+    from fsdp_peft.paths import smollm2_path
+
+    return smollm2_path()
 
 
 def write_tiny_model(directory: Path, config_class, **architecture) -> Path:

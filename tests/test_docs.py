@@ -58,11 +58,16 @@ SFT_START = (
     " --output_dir outputs/llama_lora_short --generate_samples 0"
 )
 VISION_START = "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_vl_lora.py"
+REAL_TASK_START = (
+    "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_lora.py"
+    " --config configs/llama_lora/smollm2_iso_dates.yaml"
+)
 PRODUCERS = {
     "llama_qlora_tiny": QUICK_START,
     "llama_lora_tiny": GENERATION_RUN,
     "llama_lora_short": SFT_START,
     "qwen_vl_lora_tiny": VISION_START,
+    "smollm2_iso_dates": REAL_TASK_START,
 }
 # A 400-step run's last checkpoint is checkpoint-400; the same launch with QUICK ends at checkpoint-2.
 PLACEHOLDERS = {"checkpoint-400": "checkpoint-2"}
@@ -239,6 +244,14 @@ INSTEAD: dict[str, Run] = {
         "lm_eval --model hf --model_args pretrained=outputs/llama_lora_tiny/merged --include_path "
         f"{REPO}/fsdp_peft/harness_tasks --tasks tiny_reverse_em --batch_size 16 --apply_chat_template",
         why="the harness's own command as written; its task directory is the checkout's (no fsdp_peft/ in workspaces)",
+    ),
+    "lm_eval --model hf --model_args pretrained=merged_smollm2 --include_path fsdp_peft/harness_tasks --tasks "
+    "iso_dates_em --batch_size 50 --apply_chat_template": Run(
+        "fsdp-peft export outputs/smollm2_iso_dates --out merged_smollm2/ && lm_eval --model hf --model_args "
+        f"pretrained=merged_smollm2 --include_path {REPO}/fsdp_peft/harness_tasks --tasks iso_dates_em --batch_size 50 "
+        "--apply_chat_template",
+        why="the harness's own command as written, after the export the page shows before it (each documented command "
+        "runs in a workspace of its own); its task directory is the checkout's",
     ),
     "$EDITOR my.yaml": Run(
         "fsdp-peft validate my.yaml",
@@ -556,7 +569,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         tasks = re.search(r"--tasks (\S+)", command).group(1)
         expected = {"tiny_reverse_em", "tiny_reverse_ll"} if tasks == "tiny_reverse" else set(tasks.split(","))
         assert set(summary["tasks"]) == expected and all(task["samples"] == 200 for task in summary["tasks"].values())
-        assert outcome.stdout.count("|tiny_reverse_em|") == 1, output[-3000:]  # the harness's table, printed once
+        shown = "tiny_reverse_em" if tasks == "tiny_reverse" else tasks.split(",")[0]
+        assert outcome.stdout.count(f"|{shown}|") == 1, output[-3000:]  # the harness's table, printed once
     elif match := re.match(r"fsdp-peft export \S+ --out (\S+)", command):
         assert json.loads((workspace / match.group(1) / "config.json").read_text())["model_type"] == "llama"
     elif "bash configs/slurm/recipe.sbatch" in command:

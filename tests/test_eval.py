@@ -322,7 +322,7 @@ REFUSALS = {  # arguments after SOURCE, the error line's start
     "unknown task": (
         ["--tasks", "tiny_revers_em"],
         "--tasks: tiny_revers_em: no harness task, group or tag of that name (did you mean tiny_reverse_em?); "
-        "fsdp-peft ships tiny_reverse_em, tiny_reverse_ll (tag tiny_reverse)",
+        "fsdp-peft ships tiny_reverse_em, tiny_reverse_ll, iso_dates_em (tag tiny_reverse)",
     ),
     "hub data offline": (
         ["--tasks", "hub_task", "--include-path", "{tasks}"],

@@ -613,7 +613,7 @@ def test_a_mistyped_embedded_model_name_is_refused_with_the_closest_name(monkeyp
     problem = _refused(LORA_TINY, {}, ["--model_name_or_path", "tiny-lama"], SFT, monkeypatch, tmp_path)
     assert problem.startswith(
         "model_name_or_path: 'tiny-lama' is no embedded model, directory or hub id; did you mean "
-        "'tiny-llama'? the embedded models are tiny-llama, tiny-qwen2,"
+        "'tiny-llama'? the models that need no hub are tiny-llama, tiny-qwen2,"
     ), problem
 
 

@@ -20,11 +20,17 @@ from datasets import Dataset
 from fsdp_peft.choices import TINY_DATASET_NAME, TINY_PREFERENCE_NAME
 from fsdp_peft.config import RecipeArguments
 from fsdp_peft.errors import ConfigError
+from fsdp_peft.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
 from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_PREFERENCE_DIR
 
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_NAMES = ("eval", "validation")
-EMBEDDED_DATASETS = {TINY_DATASET_NAME: TINY_DATASET_DIR, TINY_PREFERENCE_NAME: TINY_PREFERENCE_DIR}
+EMBEDDED_DATASETS = {
+    TINY_DATASET_NAME: TINY_DATASET_DIR,
+    TINY_PREFERENCE_NAME: TINY_PREFERENCE_DIR,
+    ISO_DATES_NAME: task_dir(ISO_DATES_NAME),
+    SUMS_NAME: task_dir(SUMS_NAME),
+}
 
 
 @dataclass(frozen=True)

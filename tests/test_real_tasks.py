@@ -1,0 +1,61 @@
+"""The real tasks of SmolLM2-135M-Instruct (`fsdp_peft.real_tasks`): the splits share no question, the answers are
+right by a check that does not use the program, and the harness task reads the recipes' held-out rows. (That the
+shipped rows are the program's: tests/test_tiny.py, with every asset; the configs that train on them run in
+tests/test_docs.py, as docs/real_model.md shows them.)
+"""
+
+from __future__ import annotations
+
+import calendar
+import datetime
+import json
+import re
+
+import pytest
+
+from fsdp_peft.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
+
+MONTHS = {
+    name.lower(): number
+    for number in range(1, 13)
+    for name in (calendar.month_name[number], calendar.month_abbr[number])
+}
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _date_in_words(prompt: str) -> datetime.date:
+    """The date a prompt writes in words, read by hand: a month name, a day and a four-digit year."""
+    (month,) = {MONTHS[word.lower()] for word in re.findall(r"[A-Za-z]+", prompt) if word.lower() in MONTHS}
+    numbers = re.findall(r"\d+", prompt.replace("ISO 8601", ""))
+    (year,) = [int(n) for n in numbers if len(n) == 4]
+    (day,) = [int(n) for n in numbers if len(n) <= 2]
+    return datetime.date(year, month, day)
+
+
+@pytest.mark.parametrize("name", [ISO_DATES_NAME, SUMS_NAME])
+def test_answers_are_right_and_no_question_is_in_both_splits(name):
+    train, held_out = (_rows(task_dir(name) / f"{split}.jsonl") for split in ("train", "eval"))
+    assert len(held_out) == 200 and len(train) >= 600
+    assert not {row["prompt"] for row in held_out} & {row["prompt"] for row in train}
+    if name == SUMS_NAME:
+        for row in train + held_out:
+            a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", row["prompt"]).groups())
+            assert row["completion"] == str(a + b)
+        return
+    answers = {split: {row["completion"] for row in rows} for split, rows in (("train", train), ("eval", held_out))}
+    assert not answers["train"] & answers["eval"]  # no date in both, however it is written
+    for row in train + held_out:
+        assert _date_in_words(row["prompt"]).isoformat() == row["completion"], row
+
+
+def test_the_harness_task_reads_the_held_out_rows_in_order():
+    from fsdp_peft.eval_tasks import iso_dates, load_tasks
+
+    assert iso_dates()["eval"].to_list() == _rows(task_dir(ISO_DATES_NAME) / "eval.jsonl")
+    loaded = load_tasks(["iso_dates_em"], [], None, 1)
+    task = loaded.tasks["iso_dates_em"]
+    docs = list(task.eval_docs)
+    assert len(docs) == 200 and task.doc_to_text(docs[0]) == docs[0]["prompt"]
