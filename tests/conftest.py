@@ -26,6 +26,7 @@ LONGEST_FIRST = [
     "test_fsdp_routes.py",
     "test_recipes_catalog.py",
     "test_moe.py",
+    "test_smollm2.py",
     "test_runs.py",
     "test_grpo.py",
     "test_sequence_parallel.py",
