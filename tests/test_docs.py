@@ -571,6 +571,9 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         assert set(summary["tasks"]) == expected and all(task["samples"] == 200 for task in summary["tasks"].values())
         shown = "tiny_reverse_em" if tasks == "tiny_reverse" else tasks.split(",")[0]
         assert outcome.stdout.count(f"|{shown}|") == 1, output[-3000:]  # the harness's table, printed once
+    elif "lm_eval " in command:  # the harness's own command: its table, the task's row once, 200 samples scored
+        task = re.search(r"--tasks (\S+)", command).group(1)
+        assert outcome.stdout.count(f"|{task}|") == 1 and "|exact_match|" in outcome.stdout, output[-3000:]
     elif match := re.match(r"fsdp-peft export \S+ --out (\S+)", command):
         assert json.loads((workspace / match.group(1) / "config.json").read_text())["model_type"] == "llama"
     elif "bash configs/slurm/recipe.sbatch" in command:

