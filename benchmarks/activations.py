@@ -3,7 +3,7 @@
 A Llama-architecture model with a 128k vocabulary (Llama 3's 128,256), random weights built here (hidden
 512, 2 layers, GQA 8/2 heads, untied head; fp32), LoRA r=16 on all linear layers, one 2048-token sequence,
 every token labelled. Each case runs in its own process (so peak RSS is its own): the model's own loss or
-the chunked loss (`fsdp_peft.loss`, 512-token chunks, the recipes' default), with and without gradient
+the chunked loss (`fsdp_peft.model.loss`, 512-token chunks, the recipes' default), with and without gradient
 checkpointing (transformers' default, reentrant). Per case:
 
 - **saved bytes**: what autograd saves for backward during the forward (``saved_tensors_hooks``; tensors
@@ -11,7 +11,7 @@ checkpointing (transformers' default, reentrant). Per case:
   are left out), split into the decoder body and the head + loss. With checkpointing, the layer a backward
   recomputes saves its own again: one layer's saved bytes, measured on a forward of the first layer
   outside checkpointing (its input excluded, already counted), are added (one is recomputed at a time).
-- **planned**: `fsdp_peft.plan.activation_bytes` for the same model, tokens and dtype; **err** = planned /
+- **planned**: `fsdp_peft.tools.plan.activation_bytes` for the same model, tokens and dtype; **err** = planned /
   measured - 1.
 - **peak RSS growth**: peak resident memory of the process over the step minus before it (MiB).
 - **step s**: forward + backward, median of 3.
@@ -63,10 +63,10 @@ def measure(loss: str, checkpointing: bool, tokens: int, vocab: int) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdp_peft.checkpointing import NONE, every
-    from fsdp_peft.config import RecipeArguments
-    from fsdp_peft.loss import head_computes_loss
-    from fsdp_peft.plan import activation_bytes
+    from fsdp_peft.model.loss import head_computes_loss
+    from fsdp_peft.settings.checkpointing import NONE, every
+    from fsdp_peft.settings.config import RecipeArguments
+    from fsdp_peft.tools.plan import activation_bytes
 
     torch.manual_seed(0)
     config = LlamaConfig(**{**MODEL, "vocab_size": vocab})

@@ -12,7 +12,7 @@ KTO, trust-remote-code, generation, export) several times, each as a user launch
 Each launch runs in a directory of its own with core dumps enabled (a ``core`` file there names the rank
 that aborted; ``gdb python core`` shows its threads). Figures: ``benchmarks/results/exit_stress.json``.
 Each rank also names process-group threads that outlive its process group (they are what the aborts came
-from: `fsdp_peft._compat.process_groups_released`); those count as failures too. Exits 1 when any launch
+from: `fsdp_peft.core._compat.process_groups_released`); those count as failures too. Exits 1 when any launch
 failed, printed an abort, or left such threads.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "exit_stress.json"
 ABORT = "terminate called"
-LIVE_THREADS = "native threads of the process group outlived it"  # fsdp_peft.distributed.release_process_group
+LIVE_THREADS = "native threads of the process group outlived it"  # fsdp_peft.core.distributed.release_process_group
 SHORT = ["--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "8", "--warmup_steps", "0"]
 QUIET = ["--generate_samples", "0", "--generate_eval_samples", "0"]
 CHECKPOINTS = ["--save_strategy", "steps", "--save_steps", "2"]
@@ -98,8 +98,8 @@ def accelerate_config(configuration: Configuration, directory: Path) -> Path:
 
 def remote_code_model(directory: Path) -> Path:
     """The embedded Llama as a model whose code lives in its directory (as tests/test_runs.py builds it)."""
-    from fsdp_peft.paths import tiny_model_path
-    from fsdp_peft.tiny import write_remote_code_copy
+    from fsdp_peft.model.paths import tiny_model_path
+    from fsdp_peft.model.tiny import write_remote_code_copy
 
     return write_remote_code_copy(tiny_model_path(), directory / "remote-code-llama")
 

@@ -4,7 +4,7 @@ Builds once (cached in $FSDP_PEFT_BENCH_DIR, default ~/.cache/fsdp_peft/bench_ex
 Llama-architecture checkpoint of about 1.1B parameters in bf16, written in 4+ safetensors shards, and a
 rank-16 LoRA adapter on all linear layers. Then it measures wall time and peak RSS of
 
-- ``ours``: ``fsdp_peft.export.export_merged(adapter, out, dtype="bf16", max_shard_size=...)``
+- ``ours``: ``fsdp_peft.tools.export.export_merged(adapter, out, dtype="bf16", max_shard_size=...)``
 - ``transformers``: ``from_pretrained`` + ``PeftModel.from_pretrained`` + ``merge_and_unload`` +
   ``save_pretrained`` with the same shard size,
 
@@ -85,7 +85,7 @@ def build(directory: Path) -> None:
     """Random bf16 base in shards of ~600 MB with an index, tokenizer files, and the LoRA adapter."""
     from safetensors.torch import save_file
 
-    from fsdp_peft.tiny import TINY_MODEL_ASSETS
+    from fsdp_peft.model.tiny import TINY_MODEL_ASSETS
 
     base, adapter = directory / "base", directory / "adapter"
     if (base / "model.safetensors.index.json").is_file() and (adapter / "adapter_model.safetensors").is_file():
@@ -167,7 +167,7 @@ def build_variant_adapter(directory: Path) -> None:
 
 
 def run_ours(directory: Path, out: Path, shard: str, adapter: str = "adapter") -> None:
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     export_merged(
         directory / adapter,

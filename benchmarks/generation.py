@@ -5,7 +5,7 @@ each generating ``--new-tokens`` tokens greedily for each of ``--prompts`` promp
 
 - ``unsharded``: one process, the whole model, all prompts in one batch, run with 1 thread and with
   all cores' threads; the faster one is the reference;
-- ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.fsdp_policies.shard_for_generation`), prompts spread over
+- ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.parallel.fsdp_policies.shard_for_generation`), prompts spread over
   the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``);
 - ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
   (``generate_gather_budget: none``, what FSDP2 does by default).
@@ -40,11 +40,11 @@ def worker(args: argparse.Namespace) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    from fsdp_peft.config import RecipeArguments
-    from fsdp_peft.distributed import release_process_group, start_process_group
-    from fsdp_peft.fsdp_policies import shard_for_generation
-    from fsdp_peft.generation import GenerationSettings, generate_completions
-    from fsdp_peft.modeling import load_base_model, load_tokenizer
+    from fsdp_peft.core.distributed import release_process_group, start_process_group
+    from fsdp_peft.model.modeling import load_base_model, load_tokenizer
+    from fsdp_peft.parallel.fsdp_policies import shard_for_generation
+    from fsdp_peft.settings.config import RecipeArguments
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
     recipe = RecipeArguments(torch_dtype="float32")
     if args.worker == "unsharded_1_thread":

@@ -8,15 +8,16 @@ Each run is its own process (clean peak-memory counters) and trains ``--steps`` 
 token ids (``--seq`` tokens per row, ``--batch`` rows per step, bf16, gradient checkpointing, AdamW, LoRA
 r=16 on all linear layers, dropout 0.05):
 
-- ``fsdp-peft``: `fsdp_peft.modeling.load_base_model` + `attach_lora` + `fsdp_peft.trainer.PeftFsdpTrainer`
+- ``fsdp-peft``: `fsdp_peft.model.modeling.load_base_model` + `attach_lora` +
+`fsdp_peft.procedures.trainer.PeftFsdpTrainer`
   (one GPU: no FSDP; the library's loading, adapter dtypes and trainer);
 - ``plain``: ``AutoModelForCausalLM.from_pretrained(quantization_config=...)`` + ``peft.get_peft_model`` +
   ``transformers.Trainer``.
 
 Measured: tokens/s over the steps after the first two (synchronised step times), peak GPU memory
 (``torch.cuda.max_memory_allocated`` and ``..._reserved``), model FLOPs utilisation, and the exact
-per-rank parameter + gradient + optimizer bytes (`fsdp_peft.memory.MemoryReport`); next to the planner's
-estimate (`fsdp_peft.plan`, CUDA-context row left out, as torch's allocator does not see it); and whether every
+per-rank parameter + gradient + optimizer bytes (`fsdp_peft.procedures.memory.MemoryReport`); next to the planner's
+estimate (`fsdp_peft.tools.plan`, CUDA-context row left out, as torch's allocator does not see it); and whether every
 logged loss is finite.
 
 MFU = model FLOPs per token x tokens/s / peak dense bf16 FLOPs of the GPU. Model FLOPs per token of
@@ -50,14 +51,14 @@ MoE runs (``moe`` in ``--shapes``): the ``fsdp-peft`` SFT run above (`run_one`) 
 (`models.QWEN3_MOE_SHAPES`: Qwen3-30B-A3B's layer with 8 layers of 64 experts 768 wide, 8 per token, vocab 32k;
 2.70B parameters, 2.42B of them in the experts), 4 rows of 2048 tokens per step, LoRA r=16 on attention (``auto``)
 and on every expert (``lora_target_parameters: [auto]``), dropout 0 (none on expert parameters). QLoRA first
-(``load_in_4bit``: the linear layers through bitsandbytes, the experts by `fsdp_peft.moe_quantization`), then LoRA
+(``load_in_4bit``: the linear layers through bitsandbytes, the experts by `fsdp_peft.model.moe_quantization`), then LoRA
 on the bf16 base; no plain Trainer + peft runs (peft cannot quantize the experts). Measured besides the SFT
 figures (peak memory next to the plan, tokens/s, losses finite):
 
 - the experts' bytes as this rank stores them (4-bit: the local bytes of the ``*_4bit`` parameters; bf16: the expert
   parameters) next to the plan's ``counts.expert_bytes`` and to the same experts in bf16; QLoRA must keep them at
   most `EXPERT_BYTES_BOUND` (0.3) of bf16 (the layout gives 0.258): ``expert_bytes_within_bound``;
-- ``dequantization`` (QLoRA): `fsdp_peft.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts
+- ``dequantization`` (QLoRA): `fsdp_peft.model.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts
   (all its expert parameters) against that decoder layer's forward as training runs it (autograd on, bf16 autocast,
   the run's rows x tokens of random hidden states; the forward includes its hook's dequantization), median of 5.
 
@@ -67,7 +68,7 @@ Vision-language runs (``vlm``): ``recipes/qwen_vl_qlora.py`` then ``qwen_vl_lora
 launch it (FSDP2, one rank), on Qwen2.5-VL 7B's shape with random weights (`models.vision_checkpoint_path`: its
 published config, the vision tower's 32 blocks included, 8.29B parameters) over the embedded colour task's rows with
 their images resized to 448x448 (256 image tokens; a quarter of the rows text only, so the blank-image path of
-`fsdp_peft.vision` runs too), 8 rows of up to 320 tokens a step, 6 steps, LoRA r=16 on the language model's
+`fsdp_peft.model.vision` runs too), 8 rows of up to 320 tokens a step, 6 steps, LoRA r=16 on the language model's
 projections, activation checkpointing: tokens/s over the whole training (first step included), peak GPU memory next
 to the plan, the parameter, gradient and optimizer bytes next to the plan's, losses finite. The dry run: the QLoRA
 run on the embedded tiny-qwen2.5-vl, 3 steps.
@@ -94,7 +95,7 @@ state moved to CPU:
   4-bit matmul or dequantize + matmul by rows): the forward against ``x @ decode(W, compute).T`` and the input
   gradient against ``g @ decode(W).to(compute)`` (bitsandbytes' backward decodes in the weights' dtype, then casts),
   relative error within `LINEAR_BOUNDS` (fp32 1e-5: summation order; bf16 2**-7: two roundings);
-- ``expert_rows``: `fsdp_peft.moe_quantization`'s rows of a ``[8, 768, 2048]`` bf16 weight (NF4 and FP4, double
+- ``expert_rows``: `fsdp_peft.model.moe_quantization`'s rows of a ``[8, 768, 2048]`` bf16 weight (NF4 and FP4, double
   quantization on and off) dequantized must equal the reference's reading of the documented layout exactly.
 
 ``matches_reference``: all three hold. The dry run runs the same cases on CPU, ``dequantize_4bit`` on the widths up to
@@ -136,10 +137,10 @@ SIZES = {  # model shape: rows per step, tokens per row (and optimizer steps whe
     "tiny": {"batch": 2, "seq": 32},
     "tiny-moe": {"batch": 2, "seq": 32, "steps": 3},  # CI's time: one step timed
 }
-TINY_MODELS = {"tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe", "tiny-vl": "tiny-qwen2.5-vl"}  # fsdp_peft.tiny
+TINY_MODELS = {"tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe", "tiny-vl": "tiny-qwen2.5-vl"}  # fsdp_peft.model.tiny
 # MoE runs: LoRA on attention and on every expert (peft's target_parameters), no dropout (none on expert parameters)
 MOE_LORA = {**LORA, "lora_dropout": 0.0, "lora_target_modules": ["auto"], "lora_target_parameters": ["auto"]}
-MOE_RUNS = ("qlora", "lora")  # most important first: the experts quantized by fsdp_peft.moe_quantization
+MOE_RUNS = ("qlora", "lora")  # most important first: the experts quantized by fsdp_peft.model.moe_quantization
 # The dry run (CI) keeps to the QLoRA run (~20 s on 2 cores): the bf16 run differs from it only in load_in_4bit.
 MOE_DRY_RUNS = ("qlora",)
 SFT_DRY_RUNS = ("qlora",)  # the dry run's SFT pair (fsdp-peft and plain): the LoRA pair differs in load_in_4bit only
@@ -182,7 +183,7 @@ def checkpoint(shape: str, device: str) -> str:
     random-weight checkpoint of that shape (`models.checkpoint_path`, a VLM's `models.vision_checkpoint_path`)."""
     from models import checkpoint_path, vision_checkpoint_path
 
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
 
     if shape in TINY_MODELS:
         tiny_model_path(TINY_MODELS[shape])
@@ -294,7 +295,7 @@ def model_flops_per_token(model, seq: int) -> float:
     """Model FLOPs per trained token (see the module docstring)."""
     import torch
 
-    from fsdp_peft.moe import expert_count, experts_per_token
+    from fsdp_peft.model.moe import expert_count, experts_per_token
 
     config = model.config
     experts = expert_count(config)
@@ -343,18 +344,18 @@ def run_one(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 
-    from fsdp_peft.checkpointing import apply_checkpointing
-    from fsdp_peft.config import build_training_arguments, resolve_recipe_config
-    from fsdp_peft.memory import MemoryReport
-    from fsdp_peft.modeling import attach_lora, load_base_model, local_device, quantization_config
-    from fsdp_peft.moe import expert_count
-    from fsdp_peft.paths import resolve_model_path
+    from fsdp_peft.model.modeling import attach_lora, load_base_model, local_device, quantization_config
+    from fsdp_peft.model.moe import expert_count
+    from fsdp_peft.model.paths import resolve_model_path
+    from fsdp_peft.procedures.memory import MemoryReport
+    from fsdp_peft.settings.checkpointing import apply_checkpointing
+    from fsdp_peft.settings.config import build_training_arguments, resolve_recipe_config
 
     config_path = Path(args.config)
     recipe, training_values, _ = resolve_recipe_config(["--config", str(config_path)], config_path, "outputs")
     checkpointing = None
     if args.impl == "fsdp-peft":  # the recipe's activation checkpointing: auto, as fsdp_peft.recipe resolves it
-        from fsdp_peft.plan import run_checkpointing
+        from fsdp_peft.tools.plan import run_checkpointing
 
         checkpointing, chosen = run_checkpointing(recipe, training_values, "sft", config_path)
         training_values = {**training_values, **chosen}
@@ -371,14 +372,14 @@ def run_one(args) -> dict:
     timer, memory = StepTimes(), MemoryReport()
     started = time.perf_counter()
     if args.impl == "fsdp-peft":
-        from fsdp_peft.trainer import PeftFsdpTrainer
+        from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 
         model = attach_lora(load_base_model(recipe), recipe, training)
         apply_checkpointing(model, checkpointing)
         make = lambda **kw: PeftFsdpTrainer(  # noqa: E731  (MemoryReport is built in)
             **kw,
             callbacks=[timer],
-            loss_chunk_tokens=recipe.loss_chunk_tokens,  # the recipe's loss, as fsdp_peft.sft
+            loss_chunk_tokens=recipe.loss_chunk_tokens,  # the recipe's loss, as fsdp_peft.procedures.sft
         )
     else:
         from peft import LoraConfig, get_peft_model
@@ -439,7 +440,7 @@ def run_one(args) -> dict:
 def expert_storage(model) -> dict:
     """This rank's expert bytes as stored (4-bit: the local bytes of the ``*_4bit`` parameters; else the 3D expert
     parameters themselves) against the same experts in bf16."""
-    from fsdp_peft.moe_quantization import expert_bytes
+    from fsdp_peft.model.moe_quantization import expert_bytes
 
     stored, bf16 = expert_bytes(model)
     if not stored:  # 16-bit experts
@@ -456,15 +457,15 @@ def expert_storage(model) -> dict:
 
 
 def dequantization_cost(model, batch: int, seq: int) -> dict | None:
-    """4-bit experts: `fsdp_peft.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts (every
+    """4-bit experts: `fsdp_peft.model.moe_quantization.dequantize_expert_rows` of the first MoE layer's experts (every
     expert parameter) against that decoder layer's forward as training runs it (autograd on, bf16 autocast, ``batch``
     x ``seq`` random hidden states; its hook's dequantization included), median of 5 each. ``None`` for 16-bit
     experts."""
     import torch
 
-    from fsdp_peft.model_record import record_of
-    from fsdp_peft.modeling import local_device
-    from fsdp_peft.moe_quantization import dequantize_expert_rows
+    from fsdp_peft.model.model_record import record_of
+    from fsdp_peft.model.modeling import local_device
+    from fsdp_peft.model.moe_quantization import dequantize_expert_rows
 
     blocks = record_of(model).quantized_experts
     if not blocks:
@@ -499,7 +500,7 @@ def dequantization_cost(model, batch: int, seq: int) -> dict | None:
 
 def kernel_check() -> dict:
     """bitsandbytes' 4-bit kernels (CUDA; the dry run: CPU) against `four_bit_reference`'s decoder of the format's
-    definition: comparing a kernel with itself cannot see a wrong one (the CPU kernel was, `fsdp_peft._compat`)."""
+    definition: comparing a kernel with itself cannot see a wrong one (the CPU kernel was, `fsdp_peft.core._compat`)."""
     # isort: off
     import fsdp_peft  # noqa: F401  first: its import hook (on CPU, the dry run: the fixed dequantization kernel)
 
@@ -575,7 +576,7 @@ def linear4bit_cases(device) -> dict:
     import torch
     from four_bit_reference import decode, relative_error
 
-    from fsdp_peft._compat import cpu_weight_repacking_disabled
+    from fsdp_peft.core._compat import cpu_weight_repacking_disabled
 
     cases = []
     for compute, in_features in itertools.product((torch.float32, torch.bfloat16), (96, 128, 200, 4096)):
@@ -615,12 +616,12 @@ def linear4bit_cases(device) -> dict:
 
 
 def expert_rows_cases(device) -> dict:
-    """`fsdp_peft.moe_quantization`'s 4-bit expert rows (its layout around bitsandbytes' kernels) quantized and
+    """`fsdp_peft.model.moe_quantization`'s 4-bit expert rows (its layout around bitsandbytes' kernels) quantized and
     dequantized on ``device`` against the reference's reading of the rows as the layout is documented."""
     import torch
     from four_bit_reference import decode_expert_rows
 
-    from fsdp_peft.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
+    from fsdp_peft.model.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
 
     weight = torch.randn(KERNEL_EXPERTS, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
     cases = []
@@ -636,7 +637,7 @@ def expert_rows_cases(device) -> dict:
 
 
 def planned(config: Path, gpu_memory: int, ranks: int = 1) -> dict:
-    from fsdp_peft.plan import CUDA_CONTEXT_BYTES, plan_memory
+    from fsdp_peft.tools.plan import CUDA_CONTEXT_BYTES, plan_memory
 
     plan = plan_memory(config, ranks, gpu_memory)
     return {
@@ -891,7 +892,8 @@ def sequence_parallel_yaml(directory: Path, model: str, size: dict, split: int) 
 
 
 def peaks(memory: dict) -> dict:
-    """A run's GPU peaks from its memory.json (`fsdp_peft.memory.MemoryReport`): training's (what the plan estimates),
+    """A run's GPU peaks from its memory.json (`fsdp_peft.procedures.memory.MemoryReport`): training's (what the plan
+    estimates),
     loading's (the model loaded and sharded, before the first step) and the whole run's."""
     names = ("peak_gpu_allocated_bytes", "peak_gpu_allocated_training_bytes", "peak_gpu_allocated_loading_bytes")
     return {name: memory.get(name) for name in (*names, "peak_gpu_reserved_bytes")}
@@ -1041,7 +1043,7 @@ def print_entry(entry: dict) -> None:
     if "matches_reference" in entry:
         print_kernels(head, entry)
         return
-    from fsdp_peft.plan import gib as size
+    from fsdp_peft.tools.plan import gib as size
 
     gib = lambda v: size(v) if v else "n/a"  # noqa: E731
     if "rollout_tokens_per_second" in entry:

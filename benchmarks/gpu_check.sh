@@ -17,7 +17,7 @@
 #   training steps of the recipe with LoRA and with QLoRA: tokens/s, peak GPU memory next to the plan,
 #   loss and reward finite;
 # - MoE (random-weight Qwen3-MoE shape: Qwen3-30B-A3B's layer, 8 layers of 64 experts, 2.7B parameters),
-#   fsdp-peft QLoRA (experts quantized by fsdp_peft.moe_quantization) and LoRA on a bf16 base, LoRA on
+#   fsdp-peft QLoRA (experts quantized by fsdp_peft.model.moe_quantization) and LoRA on a bf16 base, LoRA on
 #   attention and every expert: tokens/s, peak GPU memory next to the plan, losses finite, the per-rank
 #   4-bit expert bytes next to the plan's and to their bf16 bytes (at most 0.3 of them), and the time
 #   of dequantizing one layer's experts against that layer's forward.

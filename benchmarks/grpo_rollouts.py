@@ -48,9 +48,9 @@ def timed_recipe(result_path: str) -> None:
     import torch
     from transformers import TrainerCallback
 
-    from fsdp_peft import rl
-    from fsdp_peft.catalog import CONFIGS
+    from fsdp_peft.procedures import rl
     from fsdp_peft.recipe import run_recipe
+    from fsdp_peft.settings.catalog import CONFIGS
 
     record: dict = {"calls": [], "step_ends": []}
     on_gpu = torch.cuda.is_available()

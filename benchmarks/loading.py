@@ -39,7 +39,7 @@ LOAD_DTYPE_BYTES = {"lora": 4, "qlora": 2}  # fp32 LoRA; QLoRA loads in bf16 bef
 
 def model_path(name: str) -> Path:
     if name == "tiny":
-        from fsdp_peft.paths import tiny_model_path
+        from fsdp_peft.model.paths import tiny_model_path
 
         return Path(tiny_model_path())
     from models import llama_100m_path
@@ -51,7 +51,7 @@ def parameter_count(path: Path) -> int:
     """Parameters in the checkpoint, from the safetensors headers alone."""
     import math
 
-    from fsdp_peft.safetensors_io import base_tensor_files, read_header
+    from fsdp_peft.core.safetensors_io import base_tensor_files, read_header
 
     headers = {file: read_header(file) for file in set(base_tensor_files(path).values())}
     entries = [entry for header in headers.values() for key, entry in header.items() if key != "__metadata__"]

@@ -78,7 +78,7 @@ def shape_config(name: str):
     """The config of shape ``name`` (a Llama shape, or a Qwen3-MoE one) with the tiny tokenizer's special token ids."""
     from transformers import AutoConfig
 
-    from fsdp_peft.tiny import TINY_MODEL_ASSETS
+    from fsdp_peft.model.tiny import TINY_MODEL_ASSETS
 
     tiny = AutoConfig.from_pretrained(TINY_MODEL_ASSETS)
     model_type, architecture = (
@@ -102,7 +102,7 @@ def checkpoint_path(name: str, dtype: str = "float32", device: str = "cpu") -> P
     (initialising 8B parameters is minutes on a CPU, seconds on a GPU)."""
     from transformers import AutoTokenizer
 
-    from fsdp_peft.tiny import TINY_MODEL_ASSETS
+    from fsdp_peft.model.tiny import TINY_MODEL_ASSETS
 
     config = shape_config(name)
     target = bench_cache() / f"{config.model_type.replace('_', '-')}-{name}-{dtype}-seed{SEED}"
@@ -119,7 +119,7 @@ def write_random_checkpoint(config, dtype: str, device: str, target: Path, proce
     import torch
     import transformers
 
-    from fsdp_peft.atomic_publish import publish_directory
+    from fsdp_peft.core.atomic_publish import publish_directory
 
     torch.manual_seed(SEED)
     default = torch.get_default_dtype()
@@ -153,8 +153,8 @@ def vision_checkpoint_path(name: str, dtype: str = "bfloat16", device: str = "cp
     ``device``, with the tiny Qwen2.5-VL's processor and token ids."""
     from transformers import AutoConfig
 
-    from fsdp_peft.paths import HUB_CONFIGS, resolve_model_path
-    from fsdp_peft.tiny_vision import load_processor
+    from fsdp_peft.model.paths import HUB_CONFIGS, resolve_model_path
+    from fsdp_peft.model.tiny_vision import load_processor
 
     target = bench_cache() / f"qwen2-5-vl-{name}-{dtype}-seed{SEED}"
     if (target / "config.json").is_file():

@@ -7,11 +7,11 @@ steps with one trainer, then with the other; the median step time of a repetitio
 two steps. The figure is the median over repetitions of each side, and their ratio. Every process runs
 one thread, so a shared machine's other work slows both sides alike as far as possible.
 
-- ``fsdp-peft``: `fsdp_peft.trainer.PeftFsdpTrainer` with everything it adds (memory and FSDP layout
+- ``fsdp-peft``: `fsdp_peft.procedures.trainer.PeftFsdpTrainer` with everything it adds (memory and FSDP layout
   reports, adapter bookkeeping, the PEFT wrap policy under FSDP). ``--loss-chunk-tokens`` (default 0,
   the model's own loss, so both sides compute the same) sets its chunked loss.
 - ``plain``: `transformers.Trainer`; under FSDP (``--world-size 2``) with only the switch that turns
-  accelerate's CPU fallback to DDP into FSDP2 (`fsdp_peft.cpu_fsdp.enable_cpu_fsdp`, FINDINGS §1), which a
+  accelerate's CPU fallback to DDP into FSDP2 (`fsdp_peft.parallel.cpu_fsdp.enable_cpu_fsdp`, FINDINGS §1), which a
   plain Trainer needs to shard on CPU at all, and the same ``fsdp_config``.
 
     python benchmarks/overhead.py                    # one process, then FSDP2 on 2 gloo ranks (torchrun)
@@ -58,8 +58,8 @@ def one_side(impl: str, steps: int, world: int, chunk: int, out: str) -> float:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-    from fsdp_peft.cpu_fsdp import enable_cpu_fsdp
-    from fsdp_peft.trainer import PeftFsdpTrainer
+    from fsdp_peft.parallel.cpu_fsdp import enable_cpu_fsdp
+    from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 
     class StepTimes(TrainerCallback):
         def __init__(self):

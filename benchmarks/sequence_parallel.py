@@ -3,8 +3,8 @@
 A Llama-architecture model built here (hidden 512, 2 layers, GQA 8/2 heads, vocabulary 32,000, fp32, random
 weights), LoRA r=16 on all linear layers, one row, every token labelled, the recipes' chunked loss (512-token
 chunks). Measured: what autograd saves for backward during one forward (``saved_tensors_hooks``, each storage
-once, parameters left out), on 2 gloo ranks that each hold half of the row (`fsdp_peft.sequence_parallel`), and
-in one process on the whole row; planned: `fsdp_peft.plan.activation_bytes` with and without the split.
+once, parameters left out), on 2 gloo ranks that each hold half of the row (`fsdp_peft.parallel.sequence_parallel`), and
+in one process on the whole row; planned: `fsdp_peft.tools.plan.activation_bytes` with and without the split.
 Then the longest row whose saved bytes stay under one cap (what the whole row saves at ``--cap-tokens``), for
 each: lengths in steps of 256.
 
@@ -52,8 +52,8 @@ def saved_bytes(model, group, tokens: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from fsdp_peft.loss import head_computes_loss
-    from fsdp_peft.sequence_parallel import SequenceGroup, sequence_split, split_rows
+    from fsdp_peft.model.loss import head_computes_loss
+    from fsdp_peft.parallel.sequence_parallel import SequenceGroup, sequence_split, split_rows
 
     ids = torch.randint(0, MODEL["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(tokens))
     batch = {"input_ids": ids, "labels": ids}
@@ -82,9 +82,9 @@ def saved_bytes(model, group, tokens: int) -> int:
 
 
 def planned_bytes(config, tokens: int, sequence_parallel: int) -> int:
-    from fsdp_peft.checkpointing import NONE
-    from fsdp_peft.config import RecipeArguments
-    from fsdp_peft.plan import activation_bytes
+    from fsdp_peft.settings.checkpointing import NONE
+    from fsdp_peft.settings.config import RecipeArguments
+    from fsdp_peft.tools.plan import activation_bytes
 
     recipe = RecipeArguments(lora_dropout=0.0, loss_chunk_tokens=CHUNK, sequence_parallel_size=sequence_parallel)
     return activation_bytes(config, recipe, -(-tokens // sequence_parallel), 4, NONE)  # a rank's tokens

@@ -6,8 +6,8 @@ each configuration runs the real recipe for a few steps, as a user launches it, 
 - step time and tokens/s (``results.json``; the mean over the run, first step included),
 - per-rank bytes of parameters, gradients and optimizer states, counted tensor by tensor after the
   first optimizer step, and peak RSS per rank after loading and over the run (``memory.json``,
-  written by `fsdp_peft.memory.MemoryReport`),
-- the planner's figures for the same config (`fsdp_peft.plan`), next to the measured ones;
+  written by `fsdp_peft.procedures.memory.MemoryReport`),
+- the planner's figures for the same config (`fsdp_peft.tools.plan`), next to the measured ones;
 
 and, for the ~100M model at world size 2, peak RSS while loading with ``fsdp_cpu_ram_efficient_loading``
 on and off. It prints a table and writes ``benchmarks/results/train_cpu.json``.
@@ -114,8 +114,8 @@ def launch(
 
 def planned(config: Path, world: int, launcher: Path | None) -> dict:
     """The planner's figures for the run's config (what `fsdp-peft plan` prints)."""
-    from fsdp_peft.cli import _environment, launcher_environment
-    from fsdp_peft.plan import plan_memory
+    from fsdp_peft.tools.cli import _environment, launcher_environment
+    from fsdp_peft.tools.plan import plan_memory
 
     with _environment(launcher_environment(launcher) if launcher else {}):
         plan = plan_memory(config, world, 80 * 2**30)

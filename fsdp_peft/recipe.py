@@ -1,13 +1,15 @@
-"""The skeleton every recipe runs, top to bottom, whatever its procedure (`fsdp_peft.procedure.Procedure`).
+"""The skeleton every recipe runs, top to bottom, whatever its procedure (`fsdp_peft.procedures.procedure.Procedure`).
 
 parse config → claim output_dir → tokenizer → the procedure's data (every row checked, before any weights load)
 → model and adapters → the procedure's trainer → its score before training (on the sharded model) → train →
-`fsdp_peft.ending.end_run`: save adapter → the procedure's results after training → evaluate → export → report
+`fsdp_peft.procedures.ending.end_run`: save adapter → the procedure's results after training → evaluate → export →
+report
 (summary, ``results.json``, loss curve). A start that fails before the first optimizer step leaves
-``output_dir`` as it found it (`fsdp_peft.runs`).
-The procedures are siblings this skeleton calls: SFT (`fsdp_peft.sft`, the default), preference
-(`fsdp_peft.preference`: DPO, KTO), GRPO (`fsdp_peft.rl`). The SFT recipes differ only in their default config
-(``configs/<recipe>/tiny.yaml``); model families differ only in their entry in `fsdp_peft.families`.
+``output_dir`` as it found it (`fsdp_peft.tools.runs`).
+The procedures are siblings this skeleton calls: SFT (`fsdp_peft.procedures.sft`, the default), preference
+(`fsdp_peft.procedures.preference`: DPO, KTO), GRPO (`fsdp_peft.procedures.rl`). The SFT recipes differ only in their
+default config
+(``configs/<recipe>/tiny.yaml``); model families differ only in their entry in `fsdp_peft.settings.families`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from fsdp_peft._compat import check_upstream
-from fsdp_peft.checkpointing import CheckpointingChoice, apply_checkpointing
-from fsdp_peft.compiled import compile_layers
-from fsdp_peft.config import (
+from fsdp_peft.core._compat import check_upstream
+from fsdp_peft.core.distributed import ranks, release_process_group
+from fsdp_peft.core.errors import exits_cleanly_on_user_error
+from fsdp_peft.core.log import configure_for_training, logger
+from fsdp_peft.core.xla import start_xla_runtime
+from fsdp_peft.model.compiled import compile_layers
+from fsdp_peft.model.modeling import build_model, load_tokenizer
+from fsdp_peft.procedures.ending import end_run
+from fsdp_peft.procedures.procedure import Procedure, ScoredBeforeTraining, Setup
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
+from fsdp_peft.procedures.trainer import check_resumable
+from fsdp_peft.settings.checkpointing import CheckpointingChoice, apply_checkpointing
+from fsdp_peft.settings.config import (
     RecipeArguments,
     build_training_arguments,
     resolve_recipe_config,
@@ -33,19 +44,10 @@ from fsdp_peft.config import (
     unset_training_values,
     with_procedure_defaults,
 )
-from fsdp_peft.distributed import ranks, release_process_group
-from fsdp_peft.ending import end_run
-from fsdp_peft.errors import exits_cleanly_on_user_error
-from fsdp_peft.fsdp_settings import trainer_fsdp_arguments
-from fsdp_peft.log import configure_for_training, logger
-from fsdp_peft.modeling import build_model, load_tokenizer
-from fsdp_peft.plan import run_checkpointing
-from fsdp_peft.procedure import Procedure, ScoredBeforeTraining, Setup
-from fsdp_peft.runs import die_with_the_launcher, release_output_dir, start_run
-from fsdp_peft.sft import SFT_PROCEDURE
-from fsdp_peft.trainer import check_resumable
-from fsdp_peft.validation import check_before_training
-from fsdp_peft.xla import start_xla_runtime
+from fsdp_peft.settings.fsdp_settings import trainer_fsdp_arguments
+from fsdp_peft.tools.plan import run_checkpointing
+from fsdp_peft.tools.runs import die_with_the_launcher, release_output_dir, start_run
+from fsdp_peft.tools.validation import check_before_training
 
 
 @exits_cleanly_on_user_error
@@ -86,7 +88,9 @@ def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure)
     trainer = before.trainer = procedure.trainer(setup, shared)
     during = None
     if recipe.eval_tasks_steps:
-        from fsdp_peft.evaluation import HarnessDuringTraining  # lazy: the harness only for a run that names tasks
+        from fsdp_peft.tools.evaluation import (
+            HarnessDuringTraining,  # lazy: the harness only for a run that names tasks
+        )
 
         during = HarnessDuringTraining(trainer)
         trainer.add_callback(during)
@@ -108,7 +112,7 @@ def parse_run_config(
 ) -> tuple[RecipeArguments, TrainingArguments, CheckpointingChoice]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments (the class
     ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules that guard ``procedure``;
-    ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.plan.run_checkpointing`)."""
+    ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.tools.plan.run_checkpointing`)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     recipe_args = with_procedure_defaults(recipe_args, procedure.name)
     check_before_training(recipe_args, training_values, procedure=procedure.name)

@@ -1,6 +1,6 @@
 """DPO on Llama (3.x) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP through TRL's DPOTrainer.
 
-The procedure is `fsdp_peft.preference.PREFERENCE_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this
+The procedure is `fsdp_peft.procedures.preference.PREFERENCE_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this
 recipe only names its default config, ``configs/llama_dpo/tiny.yaml`` (the embedded tiny-llama and
 tiny-preference pairs, no GPU or network). Real models: llama_dpo/llama3_1_8b_qlora.yaml.
 
@@ -11,9 +11,9 @@ checkpoints and exact resume, prompt/chosen/rejected strings or chat pairs from 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_dpo.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
-from fsdp_peft.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
 from fsdp_peft.recipe import run_recipe
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "llama_dpo" / "tiny.yaml"
 

@@ -1,6 +1,6 @@
 """GRPO on Llama (3.x) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP (2 or 1) through TRL's GRPOTrainer.
 
-The procedure is `fsdp_peft.rl.GRPO_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this recipe only names its
+The procedure is `fsdp_peft.procedures.rl.GRPO_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this recipe only names its
 default config, ``configs/llama_grpo/tiny.yaml`` (the embedded tiny-llama and reversal task, no GPU or network).
 
 Supports: LoRA or QLoRA (``load_in_4bit``), TRL's GRPO losses and sampling keys (``loss_type``, ``beta``,
@@ -11,9 +11,9 @@ functions (``reward_funcs``, ``reward_weights``), rollouts from the sharded mode
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_grpo.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
+from fsdp_peft.procedures.rl import GRPO_PROCEDURE
 from fsdp_peft.recipe import run_recipe
-from fsdp_peft.rl import GRPO_PROCEDURE
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "llama_grpo" / "tiny.yaml"
 

@@ -7,8 +7,8 @@ router's auxiliary loss: docs/moe.md.
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/mixtral_lora.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
 from fsdp_peft.recipe import run_recipe
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "mixtral_lora" / "tiny.yaml"
 

@@ -1,6 +1,6 @@
 """DPO on Qwen (2.5, 3) with LoRA, or QLoRA with load_in_4bit: true, sharded with FSDP through TRL's DPOTrainer.
 
-The procedure is `fsdp_peft.preference.PREFERENCE_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this
+The procedure is `fsdp_peft.procedures.preference.PREFERENCE_PROCEDURE` (run by `fsdp_peft.recipe.run_recipe`); this
 recipe only names its default config, ``configs/qwen_dpo/tiny.yaml`` (the embedded tiny-qwen2 and
 tiny-preference pairs, no GPU or network). Real models: qwen_dpo/qwen2_5_7b_qlora.yaml.
 
@@ -11,9 +11,9 @@ checkpoints and exact resume, prompt/chosen/rejected strings or chat pairs from 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_dpo.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
-from fsdp_peft.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
 from fsdp_peft.recipe import run_recipe
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "qwen_dpo" / "tiny.yaml"
 

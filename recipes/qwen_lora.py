@@ -6,8 +6,8 @@ The procedure is `fsdp_peft.recipe.run_recipe`; this recipe only names its defau
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_lora.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
 from fsdp_peft.recipe import run_recipe
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "qwen_lora" / "tiny.yaml"
 

@@ -1,14 +1,14 @@
 """LoRA on Qwen2.5-VL (a vision-language model) on a 16-bit base, sharded with FSDP through the Hugging Face Trainer.
 
-The procedure is `fsdp_peft.recipe.run_recipe` with `fsdp_peft.vision_sft`'s; this recipe only names its default
+The procedure is `fsdp_peft.recipe.run_recipe` with `fsdp_peft.procedures.vision_sft`'s; this recipe only names its default
 config, ``configs/qwen_vl_lora/tiny.yaml`` (the embedded tiny model and image task, no GPU or network).
 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/qwen_vl_lora.py [--key value ...]
 """
 
-from fsdp_peft.catalog import CONFIGS
+from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
 from fsdp_peft.recipe import run_recipe
-from fsdp_peft.vision_sft import VISION_SFT_PROCEDURE
+from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "qwen_vl_lora" / "tiny.yaml"
 

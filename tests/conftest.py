@@ -62,15 +62,15 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cache) -> Path:
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
 
     return tiny_model_path()
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tiny_cache) -> Path:
-    """SmolLM2-135M-Instruct built into the session's cache (`fsdp_peft.smollm2`): once per run of the suite."""
-    from fsdp_peft.paths import smollm2_path
+    """SmolLM2-135M-Instruct built into the session's cache (`fsdp_peft.model.smollm2`): once per run of the suite."""
+    from fsdp_peft.model.paths import smollm2_path
 
     return smollm2_path()
 
@@ -81,7 +81,7 @@ def write_tiny_model(directory: Path, config_class, **architecture) -> Path:
     generic path, or a family's architecture in other sizes."""
     from transformers import AutoTokenizer
 
-    from fsdp_peft import tiny
+    from fsdp_peft.model import tiny
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.TINY_MODEL_ASSETS)
     sizes = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4)
@@ -187,11 +187,12 @@ def free_port() -> int:
 
 
 def procedure_of(config: Path):
-    """The `fsdp_peft.procedure.Procedure` a config's keys belong to (`fsdp_peft.config.procedure_of_config`)."""
-    from fsdp_peft.config import PREFERENCE, RL, SFT, procedure_of_config
-    from fsdp_peft.preference import PREFERENCE_PROCEDURE
-    from fsdp_peft.rl import GRPO_PROCEDURE
-    from fsdp_peft.sft import SFT_PROCEDURE
+    """The `fsdp_peft.procedures.procedure.Procedure` a config's keys belong to
+    (`fsdp_peft.settings.config.procedure_of_config`)."""
+    from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+    from fsdp_peft.procedures.sft import SFT_PROCEDURE
+    from fsdp_peft.settings.config import PREFERENCE, RL, SFT, procedure_of_config
 
     procedures = {SFT: SFT_PROCEDURE, PREFERENCE: PREFERENCE_PROCEDURE, RL: GRPO_PROCEDURE}
     return procedures[procedure_of_config(config)]

@@ -1,4 +1,4 @@
-"""The attention kernel key (`fsdp_peft.attention`): checked before anything starts, applied at loading."""
+"""The attention kernel key (`fsdp_peft.model.attention`): checked before anything starts, applied at loading."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import transformers
 from transformers import AutoConfig, Gemma2ForCausalLM, LlamaForCausalLM
 
 from conftest import REPO, run_command
-from fsdp_peft import attention
-from fsdp_peft.attention import architecture_problem, attention_problem, chosen_attention, model_class_named
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.packing import check_packing_keeps_examples_apart
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.modeling import load_base_model
-from fsdp_peft.plan import plan_memory
+from fsdp_peft.model import attention
+from fsdp_peft.model.attention import architecture_problem, attention_problem, chosen_attention, model_class_named
+from fsdp_peft.model.modeling import load_base_model
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.tools.plan import plan_memory
 
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 # A Llama whose class has no kernel but eager (as many remote-code models): transformers falls back to eager

@@ -1,4 +1,5 @@
-"""Activation checkpointing chosen by the plan (`fsdp_peft.checkpointing`, `fsdp_peft.plan.choose_checkpointing`).
+"""Activation checkpointing chosen by the plan (`fsdp_peft.settings.checkpointing`,
+`fsdp_peft.tools.plan.choose_checkpointing`).
 
 References outside the code under test: transformers' own ``activation_checkpointing_enable`` says which layers a
 choice checkpoints; autograd's saved-tensor hooks measure what a forward leaves for backward; a run with every layer
@@ -15,7 +16,7 @@ import torch
 from test_plan import recipe_config
 
 from conftest import REPO, launch_recipe, logged_losses, read_json
-from fsdp_peft.checkpointing import (
+from fsdp_peft.settings.checkpointing import (
     AUTO,
     NONE,
     Checkpointing,
@@ -25,7 +26,7 @@ from fsdp_peft.checkpointing import (
     every,
     requested,
 )
-from fsdp_peft.plan import activation_peak_and_saved, load_model_config
+from fsdp_peft.tools.plan import activation_peak_and_saved, load_model_config
 
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 ROWS, LENGTH, CHUNK = 16, 64, 512  # the tiny LoRA config's batch per rank and max_seq_length; its loss chunk
@@ -105,7 +106,7 @@ def measured_saved_bytes(model, count: int) -> int:
     """What one forward of the tiny config's batch leaves for backward: autograd's saved tensors (the hooks see the
     layers that are not checkpointed, the final norm and the loss), plus the inputs the checkpointed layers hold
     for their recomputation (invisible to the hooks); each storage once, parameters left out."""
-    from fsdp_peft.loss import head_computes_loss
+    from fsdp_peft.model.loss import head_computes_loss
 
     base = model.get_base_model()
     base.activation_checkpointing_disable()
@@ -144,7 +145,7 @@ def test_the_saved_bytes_of_every_choice_are_the_plans_within_10_percent(tiny_mo
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.settings.config import RecipeArguments
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -168,8 +169,8 @@ def test_auto_under_a_memory_cap_checkpoints_the_plans_layers_and_trains_as_ever
     """2 ranks, FSDP2, fp32 LoRA: a device_memory cap under which the plan takes 2 of 4 layers; the run checkpoints
     those (memory.json counts the flags in force on each rank), says why, and its losses are the fully checkpointed
     run's (recomputation changes no number)."""
-    from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.plan import plan_recipe
+    from fsdp_peft.settings.config import resolve_recipe_config
+    from fsdp_peft.tools.plan import plan_recipe
 
     short = {"max_steps": 4, "logging_steps": 1, "generate_samples": 0, "generate_eval_samples": 0}
     config = recipe_config(tmp_path, "lora", **short)

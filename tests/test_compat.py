@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import REPO, last_json_line, run_command, torchrun
-from fsdp_peft import _compat
-from fsdp_peft._compat import (
+from fsdp_peft.core import _compat
+from fsdp_peft.core._compat import (
     PATCHES,
     TRL_VERIFIED,
     UPSTREAM,
@@ -79,7 +79,7 @@ def test_the_pinned_releases_are_the_verified_windows_one_source_of_truth():
 
 
 def test_trls_symbols_and_release_are_checked_where_trl_is_imported_and_cost_sft_nothing():
-    check = "import sys, fsdp_peft._compat as c; {}c.check_upstream(); print('trl' in sys.modules)"
+    check = "import sys, fsdp_peft.core._compat as c; {}c.check_upstream(); print('trl' in sys.modules)"
     sft = subprocess.run([sys.executable, "-c", check.format("")], capture_output=True, text=True, cwd=REPO)
     assert sft.returncode == 0 and sft.stdout.split()[0] == "False", sft.stderr[-2000:]
     renamed = "import trl.trainer.grpo_trainer as g; del g.GRPOTrainer._tokenize_prompts; "
@@ -118,7 +118,7 @@ def test_a_release_outside_a_patch_window_stops_start_up_in_one_line(monkeypatch
     narrowed = _compat.Patch(patch.function, patch.package, ("0.1.0", "0.2"))
     problem = narrowed.window_problem()
     assert problem.startswith(f"peft {importlib.metadata.version('peft')} is outside the versions ")
-    assert f"fsdp_peft._compat.{patch.function.__name__} was verified with (0.1.0 to below 0.2)" in problem
+    assert f"fsdp_peft.core._compat.{patch.function.__name__} was verified with (0.1.0 to below 0.2)" in problem
     monkeypatch.setattr(_compat, "PATCHES", [narrowed])
     # the window alone: the installed releases and upstream's symbols have tests of their own (and .ci/run's
     # newest-releases report runs this one where the releases are outside fsdp-peft's windows)
@@ -127,7 +127,7 @@ def test_a_release_outside_a_patch_window_stops_start_up_in_one_line(monkeypatch
     monkeypatch.delenv(_compat.UNVERIFIED_VARIABLE, raising=False)  # .ci/run's newest-releases report sets it
     _compat._checked.cache_clear()
     try:
-        with pytest.raises(CompatError, match="is outside the versions fsdp_peft._compat."):
+        with pytest.raises(CompatError, match="is outside the versions fsdp_peft.core._compat."):
             _compat.check_upstream()
         monkeypatch.setenv(_compat.UNVERIFIED_VARIABLE, "1")
         _compat._checked.cache_clear()
@@ -201,7 +201,7 @@ def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tm
         )
     else:
         config = str(REPO / "configs" / "llama_lora" / "tiny.yaml")
-        start = f"from fsdp_peft.cli import main; main(['validate', {config!r}])"
+        start = f"from fsdp_peft.tools.cli import main; main(['validate', {config!r}])"
     result = run_command([sys.executable, "-c", rename + start], timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()

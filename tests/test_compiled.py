@@ -1,4 +1,4 @@
-"""The compiled step (`fsdp_peft.compiled`, ``compile: true``): each decoder layer's training forward compiled.
+"""The compiled step (`fsdp_peft.model.compiled`, ``compile: true``): each decoder layer's training forward compiled.
 
 The reference never calls the code under test: one eager process, without FSDP, on the same global batch.
 """
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
-from fsdp_peft.compiled import compile_layers
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.compiled import compile_layers
 
 SHORT = ["--max_steps", "6", "--logging_steps", "1", "--warmup_steps", "0", "--generate_samples", "0"]
 SHORT += ["--generate_eval_samples", "0"]

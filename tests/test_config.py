@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, procedure_of, run_command
-from fsdp_peft.config import read_yaml_config, resolve_recipe_config
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.validation import check_before_training
+from fsdp_peft.settings.config import read_yaml_config, resolve_recipe_config
+from fsdp_peft.tools.validation import check_before_training
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -31,7 +31,7 @@ def test_command_line_overrides_win_over_the_yaml(tmp_path):
 
 
 def test_every_dtype_key_and_command_takes_both_spellings(tmp_path):
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     argv = ["--torch_dtype", "fp32", "--bnb_4bit_compute_dtype", "BF16", "--fsdp_reduce_dtype", "float32"]
     recipe, _ = parse_recipe_config(
@@ -170,7 +170,7 @@ def test_shipped_recipe_configs_validate(tmp_path):
 
 
 def test_a_user_error_is_said_once_by_the_first_rank_and_by_another_only_if_it_is_not_stopped(monkeypatch, capsys):
-    from fsdp_peft import errors
+    from fsdp_peft.core import errors
 
     @errors.exits_cleanly_on_user_error
     def main():

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from conftest import REPO, run_command
-from fsdp_peft.config import (
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.settings.config import (
     PREFERENCE_KEYS,
     PROCEDURE_DEFAULTS,
     RL_KEYS,
@@ -33,9 +34,8 @@ from fsdp_peft.config import (
     build_training_arguments,
     resolve_recipe_config,
 )
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.keys import training_field_types
-from fsdp_peft.validation import PREFERENCE, RL, SFT, check_before_training
+from fsdp_peft.settings.keys import training_field_types
+from fsdp_peft.tools.validation import PREFERENCE, RL, SFT, check_before_training
 
 MUTATIONS = 600
 SEED = 20261130
@@ -296,7 +296,15 @@ def test_fsdp_peft_validate_exits_2_with_one_line_for_a_mutation(kind, tmp_path)
     config.write_text(text)
     two_ranks = tmp_path / "two_ranks.yaml"  # an accelerate config without FSDP: the recipe's fsdp keys decide
     two_ranks.write_text("distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
-    command = [sys.executable, "-m", "fsdp_peft.cli", "validate", str(config), "--accelerate-config", str(two_ranks)]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_peft.tools.cli",
+        "validate",
+        str(config),
+        "--accelerate-config",
+        str(two_ranks),
+    ]
     result = run_command(command, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
@@ -309,7 +317,7 @@ def test_validate_and_the_recipe_give_the_same_message_for_the_same_bad_config(k
     text = next(t for k, base, t, must, _ in mutations(rng) if k == kind and must and base != "fsdp")
     config = tmp_path / "mutated.yaml"
     config.write_text(text)
-    validate = run_command([sys.executable, "-m", "fsdp_peft.cli", "validate", str(config)], timeout=300)
+    validate = run_command([sys.executable, "-m", "fsdp_peft.tools.cli", "validate", str(config)], timeout=300)
     recipe = run_command(
         [sys.executable, str(REPO / "recipes" / "llama_lora.py"), "--config", str(config)], timeout=300
     )

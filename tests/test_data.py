@@ -8,12 +8,12 @@ import pandas
 import pytest
 from transformers import AutoTokenizer
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.formats import Example, read_examples
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenize_example, tokenized_dataset
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.settings.config import RecipeArguments
 
 CHAT = [
     {"role": "system", "content": "be brief"},

@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import REPO, free_port, run_command
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data import cache, sources
-from fsdp_peft.errors import ConfigError
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.settings.config import RecipeArguments
 
 ROWS = [{"prompt": f"reverse: {w}", "completion": w[::-1]} for w in ("abcde", "fghij", "klmno")]
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -20,11 +20,11 @@ LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 RANK_SCRIPT = """
 import json, os, sys
 from transformers import AutoTokenizer, TrainingArguments
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.data import cache
-from fsdp_peft.distributed import start_process_group
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.paths import tiny_model_path
+from fsdp_peft.core.distributed import start_process_group
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.paths import tiny_model_path
 
 start_process_group()  # as the recipes do: the group is torn down at exit while the interpreter is whole
 built = []

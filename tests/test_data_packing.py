@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.packing import FlattenedCollator, PackedCollator, check_packing_keeps_examples_apart, data_collator
 from fsdp_peft.data.tokenize import IGNORE_INDEX
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.settings.config import RecipeArguments
 
 WORDS = ["abcde", "fg", "hijklmn", "op", "qrstu", "vwxyz", "ab", "cdefgh"]
 

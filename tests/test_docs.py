@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port
-from fsdp_peft.paths import HUB_CONFIGS as SHIPPED_HUB_CONFIGS
+from fsdp_peft.model.paths import HUB_CONFIGS as SHIPPED_HUB_CONFIGS
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "console"}
@@ -92,7 +92,7 @@ PLACEHOLDER_FILES = {
 }
 
 # The config.json of each hub model a documented command reads: the published ones the package keeps for the
-# shipped configs' models (`fsdp_peft.paths.shipped_hub_config`), here also as a hub cache for `validate`.
+# shipped configs' models (`fsdp_peft.model.paths.shipped_hub_config`), here also as a hub cache for `validate`.
 HUB_CONFIGS = {
     path.stem.replace("--", "/"): json.loads(path.read_text()) for path in sorted(SHIPPED_HUB_CONFIGS.glob("*.json"))
 }
@@ -488,11 +488,11 @@ class Workspaces:
 
 
 def _fsdp_peft_here(argv: list[str], workspace: Path, hub: Path) -> tuple[int, str, str]:
-    """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.cli.main`, with the offline hub cache ``hub``."""
+    """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.tools.cli.main`, with the offline hub cache ``hub``."""
     import datasets.config
     from huggingface_hub import constants
 
-    from fsdp_peft.cli import main
+    from fsdp_peft.tools.cli import main
 
     stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     with (

@@ -1,4 +1,4 @@
-"""EVA (`fsdp_peft.eva`) in one process: the pass really runs, on a 16-bit and on a 4-bit base, and sets each
+"""EVA (`fsdp_peft.procedures.eva`) in one process: the pass really runs, on a 16-bit and on a 4-bit base, and sets each
 ``lora_A`` to the top right singular vectors of its layer's (centred) inputs on the chosen batches; a resumed
 run skips it. Two ranks against one process: tests/test_variants.py (the ``dora`` runs use EVA)."""
 
@@ -11,17 +11,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import set_seed
 
-import fsdp_peft.eva
+import fsdp_peft.procedures.eva
 from conftest import REPO
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.packing import data_collator
 from fsdp_peft.data.tokenize import IGNORE_INDEX
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.eva import eva_batches, initialise_eva
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.model.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.procedures.eva import eva_batches, initialise_eva
+from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.runs import EVA_INIT_FILE
-from fsdp_peft.trainer import PeftFsdpTrainer
+from fsdp_peft.tools.runs import EVA_INIT_FILE
 
 LEADING = 8  # peft's incremental, randomised SVD approximates the tail, and rotates near-equal pairs of components
 
@@ -122,7 +122,7 @@ def test_eva_sets_lora_a_to_the_top_singular_vectors_of_the_layer_inputs(
     with pytest.raises(ConfigError, match=r"^eva_batches: 100 global batches of 32 rows need 3200 training rows, and"):
         eva_batches(trainer, 100, trainer.args.seed)  # the tiny data's 2000 rows
     if recipe_name == "llama_lora":  # a pass that does not settle stops, naming the keys (hooks left: last check)
-        monkeypatch.setattr(fsdp_peft.eva, "PASSES_PER_BATCH", 1)
+        monkeypatch.setattr(fsdp_peft.procedures.eva, "PASSES_PER_BATCH", 1)
         with pytest.raises(ConfigError, match=r"^eva_batches, eva_tau: the EVA components did not settle within 8 "):
             initialise_eva(trainer, recipe, resumed=False)
     if recipe_name == "llama_qlora":  # the eval-mode forwards took no CPU repacking of the 4-bit weights

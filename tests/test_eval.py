@@ -6,7 +6,7 @@ One short LoRA run (90 steps at a constant rate: exact match about 0.4 on the 20
 nor 1), whose YAML names ``eval_tasks`` (the harness at the end of training), leaves every kind of source: the
 ``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32 ``merged/`` export. Each evaluation below
 is one real harness run, shared by the tests that read it: the base's and the refusals run in this process
-(`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each, the others as users start them
+(`fsdp_peft.tools.cli.main`, as the console script calls it) to spare a start-up each, the others as users start them
 (a process of their own, torchrun).
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_recipe, read_json, run_command, torchrun_command
-from fsdp_peft.cli import main
 from fsdp_peft.data.templates import render_prompt
-from fsdp_peft.evaluation import EVAL_FILE, default_output_dir
-from fsdp_peft.runs import RUN_FILE
+from fsdp_peft.tools.cli import main
+from fsdp_peft.tools.evaluation import EVAL_FILE, default_output_dir
+from fsdp_peft.tools.runs import RUN_FILE
 
 STEPS = 90
-CLI = [sys.executable, "-m", "fsdp_peft.cli", "eval"]
+CLI = [sys.executable, "-m", "fsdp_peft.tools.cli", "eval"]
 
 
 EVAL_TASKS_YAML = """include: llama_lora/tiny.yaml
@@ -233,7 +233,7 @@ def random_lm(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_peft.evaluation import HarnessLM
+    from fsdp_peft.tools.evaluation import HarnessLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return HarnessLM(model, AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"), batch_size=3)
@@ -277,7 +277,7 @@ def test_a_rolling_loglikelihood_scores_the_whole_text_after_bos(random_lm):
 def test_generation_stops_at_the_tasks_strings_and_temperature_zero_is_greedy(random_lm):
     import torch
 
-    from fsdp_peft.generation import GenerationSettings, generate_completions
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
     prompts = ["reverse: hello", "reverse: abcde", "reverse: xyz", "reverse: q"]
     greedy = generate_completions(
@@ -361,7 +361,7 @@ def test_bad_input_is_refused_in_one_line_before_any_weights_load(case, tmp_path
     import huggingface_hub.constants
     import transformers
 
-    from fsdp_peft import evaluation, inference
+    from fsdp_peft.tools import evaluation, inference
 
     def no_weights(*_, **__):
         raise AssertionError("weights were loaded")
@@ -450,9 +450,9 @@ def test_eval_tasks_steps_evaluate_the_sharded_qlora_model_during_training(qlora
 
 
 def test_eval_tasks_steps_without_tasks_is_refused(tmp_path):
-    from fsdp_peft.catalog import CONFIGS
-    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.core.errors import ConfigError
     from fsdp_peft.recipe import parse_recipe_config
+    from fsdp_peft.settings.catalog import CONFIGS
 
     config = CONFIGS / "llama_lora" / "tiny.yaml"
     with pytest.raises(ConfigError) as refused:
@@ -464,9 +464,9 @@ def test_eval_tasks_steps_without_tasks_is_refused(tmp_path):
 
 
 def test_eval_tasks_on_the_tpu_route_are_refused_in_one_line(tmp_path, monkeypatch):
-    from fsdp_peft.catalog import CONFIGS
-    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.core.errors import ConfigError
     from fsdp_peft.recipe import parse_recipe_config
+    from fsdp_peft.settings.catalog import CONFIGS
 
     config = CONFIGS / "llama_lora" / "tiny.yaml"
     monkeypatch.setenv("PJRT_DEVICE", "CPU")

@@ -6,9 +6,9 @@ import datasets.config
 import huggingface_hub.constants
 import pytest
 
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.eval_tasks import _load_one
-from fsdp_peft.unreachable_hub import hub_data_out_of_reach_noted
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.unreachable_hub import hub_data_out_of_reach_noted
+from fsdp_peft.tools.eval_tasks import _load_one
 
 
 class _HubTaskManager:
@@ -48,7 +48,7 @@ def test_a_harness_task_is_found_in_the_directories_that_name_it_as_the_whole_in
     seconds): each name below, a task, a group and a tag, points at the same definition and children either way."""
     from lm_eval.tasks import TaskManager
 
-    from fsdp_peft.eval_tasks import EVAL_TASKS_DIR, _harness_task_manager
+    from fsdp_peft.tools.eval_tasks import EVAL_TASKS_DIR, _harness_task_manager
 
     whole = TaskManager(include_path=[str(EVAL_TASKS_DIR)], include_defaults=True)
     for name in ("gsm8k", "mmlu", "hellaswag", "tiny_reverse_em"):

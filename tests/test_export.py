@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_command, tiny_llama_in_4bit
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import CHAT_TEMPLATE_NOTE, export_merged, has_chat_template, has_processor, usage_section
-from fsdp_peft.paths import tiny_model_path
-from fsdp_peft.safetensors_io import parse_size
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.safetensors_io import parse_size
+from fsdp_peft.model.paths import tiny_model_path
+from fsdp_peft.tools.export import CHAT_TEMPLATE_NOTE, export_merged, has_chat_template, has_processor, usage_section
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,9 @@ def test_existing_output_is_refused_unless_overwrite(adapter_dir, tmp_path):
 
 
 def test_source_that_is_none_of_the_kinds_is_a_clear_cli_error(tmp_path):
-    result = run_command([sys.executable, "-m", "fsdp_peft.cli", "export", str(tmp_path), "--out", str(tmp_path / "o")])
+    result = run_command(
+        [sys.executable, "-m", "fsdp_peft.tools.cli", "export", str(tmp_path), "--out", str(tmp_path / "o")]
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"error: SOURCE: {tmp_path} is none of: an adapter directory" in result.stderr
 
@@ -162,7 +164,7 @@ def test_killed_export_leaves_no_output_that_looks_complete(adapter_dir, tmp_pat
     out = tmp_path / "out"
     script = (
         "import sys, time\n"
-        "from fsdp_peft import export\n"
+        "from fsdp_peft.tools import export\n"
         "write = export.StreamingShardWriter.write\n"
         "def slow_write(self, key, tensor):\n"
         "    write(self, key, tensor); time.sleep(0.05)\n"

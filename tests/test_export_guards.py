@@ -19,17 +19,17 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_command, tiny_llama_in_4bit
-from fsdp_peft.adapter_files import BASE_FILE, base_record
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import export_merged, nf4_round_trip
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.adapter_files import BASE_FILE, base_record
+from fsdp_peft.tools.export import export_merged, nf4_round_trip
 
-CLI = [sys.executable, "-m", "fsdp_peft.cli"]
+CLI = [sys.executable, "-m", "fsdp_peft.tools.cli"]
 Q_PROJ = "model.layers.1.self_attn.q_proj"
 K_PROJ = "model.layers.1.self_attn.k_proj"
 # The real CLI export, paused after its tenth tensor (shards already on disk) until `resume` exists.
 PAUSED_EXPORT = """
 import pathlib, sys, time
-from fsdp_peft import cli, export
+from fsdp_peft.tools import cli, export
 paused, resume = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 write = export.StreamingShardWriter.write
 def write_then_wait(self, key, tensor):
@@ -48,7 +48,7 @@ def _lora_on(model, directory: Path, recipe: dict) -> Path:
     """Save a LoRA adapter (non-zero B) the way fsdp-peft's Trainer does: peft weights plus its metadata."""
     from peft import LoraConfig, get_peft_model
 
-    from fsdp_peft.trainer import write_adapter_metadata
+    from fsdp_peft.procedures.trainer import write_adapter_metadata
 
     torch.manual_seed(5)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -88,7 +88,7 @@ def qlora_adapter(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen2_base():
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
 
     return tiny_model_path("tiny-qwen2")
 
@@ -254,7 +254,7 @@ def test_the_recorded_base_exports_and_generates_without_a_note(adapter, tiny_mo
 
 IMPORTS_AFTER_EXPORT = """
 import json, sys
-from fsdp_peft.export import export_merged
+from fsdp_peft.tools.export import export_merged
 export_merged(sys.argv[1], sys.argv[2], base=sys.argv[3], dtype="fp32", progress=False)
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"transformers", "peft", "bitsandbytes"})))
 """

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
-from fsdp_peft import paths, tiny
-from fsdp_peft.families import ATTENTION_AND_MLP, FAMILIES, GENERIC, family_for, lora_targets, pad_token_for
-from fsdp_peft.fsdp_policies import decoder_layer_classes
+from fsdp_peft.model import paths, tiny
+from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
+from fsdp_peft.settings.families import ATTENTION_AND_MLP, FAMILIES, GENERIC, family_for, lora_targets, pad_token_for
 
 # sha256 of model.safetensors of tiny-llama as built before families existed (commit fc7ae9a)
 TINY_LLAMA_WEIGHTS_SHA256 = "04ad6d44177f175c00107245b12c35a4ff2408b658c36261224a67850e7f1ca5"

@@ -1,6 +1,6 @@
 """4-bit weights against a decoder written from the formats' definition (`four_bit_reference`), not bitsandbytes'.
 
-bitsandbytes 0.50's CPU kernel misplaces block scales for some shapes (`fsdp_peft._compat.
+bitsandbytes 0.50's CPU kernel misplaces block scales for some shapes (`fsdp_peft.core._compat.
 cpu_4bit_dequantization_block_aligned`): tests that compare two runs of the same kernel cannot see it, so every
 dequantization here is held against the reference: bitsandbytes' own round trip on random shapes and settings, the
 shapes the kernel gets wrong, and ``Linear4bit``'s forward and backward.
@@ -18,7 +18,7 @@ import torch
 from four_bit_reference import code_book, decode, dynamic_map, nf4_from_quantiles, relative_error
 
 from conftest import REPO, launch_recipe, logged_losses, run_command, write_tiny_model
-from fsdp_peft import _compat
+from fsdp_peft.core import _compat
 
 CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 STORAGES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -231,7 +231,7 @@ def test_every_4bit_layer_of_an_odd_width_qlora_run_computes_with_the_reference_
     the checkpoint's bf16 weight; unpatched, every one of these layers computed with weights 0.2-0.25 off."""
     from safetensors.torch import load_file
 
-    from fsdp_peft.inference import load_for_generation
+    from fsdp_peft.tools.inference import load_for_generation
 
     loaded = load_for_generation(odd_width_runs["fsdp2"] / "adapter", None, torch.device("cpu"), base_only=True)
     seen = {}
@@ -262,9 +262,10 @@ def test_every_4bit_layer_of_an_odd_width_qlora_run_computes_with_the_reference_
 
 
 def test_loftqs_residual_computes_with_the_reference_weights():
-    """LoftQ's alternation (`fsdp_peft.residual`) subtracts the 4-bit weights of a layer the run loads in 4 bits: for
+    """LoftQ's alternation (`fsdp_peft.model.residual`) subtracts the 4-bit weights of a layer the run loads in 4 bits:
+    for
     a width the unpatched kernel got wrong (96), they are the reference's decode of bitsandbytes' quantization."""
-    from fsdp_peft.residual import _dequantized
+    from fsdp_peft.model.residual import _dequantized
 
     settings = dict(quant_type="nf4", compress_statistics=True, blocksize=64, quant_storage=torch.bfloat16)
     weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))

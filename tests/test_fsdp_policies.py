@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsdp_peft.fsdp_policies import (
+from fsdp_peft.parallel.fsdp_policies import (
     decoder_layer_classes,
     embeddings_and_head,
     fsdp1_wrap_policy,

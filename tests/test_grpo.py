@@ -180,7 +180,7 @@ def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs)
 @pytest.mark.slow
 def test_a_grpo_run_prints_no_future_or_deprecation_warning(sampled_runs):
     """TRL reads transformers' deprecated ``is_gradient_checkpointing`` around every rollout batch; the recipe's
-    trainer silences that one warning (`fsdp_peft._compat.trl_rollouts_without_the_checkpointing_warning`)."""
+    trainer silences that one warning (`fsdp_peft.core._compat.trl_rollouts_without_the_checkpointing_warning`)."""
     warned = [line for line in sampled_runs["printed"].splitlines() if "Warning" in line and "deprecat" in line.lower()]
     assert "FutureWarning" not in sampled_runs["printed"] and "DeprecationWarning" not in sampled_runs["printed"], (
         warned
@@ -230,7 +230,7 @@ def test_grpo_holds_no_second_copy_per_rank_bytes_equal_sft(sampled_runs, sft_st
 @pytest.mark.slow
 def test_generate_and_export_work_on_grpo_output(sampled_runs, tmp_path):
     run = sampled_runs["gathered"]
-    command = [sys.executable, "-m", "fsdp_peft.cli"]
+    command = [sys.executable, "-m", "fsdp_peft.tools.cli"]
     generated = run_command(
         [*command, "generate", str(run / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
@@ -260,7 +260,7 @@ def test_an_adapter_of_another_rank_is_refused_with_one_line_and_output_dir_left
 
 
 def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
-    from fsdp_peft.plan import ROLLOUT_ROW, load_model_config, plan_memory
+    from fsdp_peft.tools.plan import ROLLOUT_ROW, load_model_config, plan_memory
 
     config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
     plan = plan_memory(config, 2, 80 * 2**30)
@@ -274,11 +274,11 @@ def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
 
 
 def test_a_prompt_longer_than_max_seq_length_is_refused_with_its_row_or_skipped(tmp_path):
-    from fsdp_peft.config import RecipeArguments
+    from fsdp_peft.core.errors import ConfigError
     from fsdp_peft.data.sources import Source
-    from fsdp_peft.errors import ConfigError
-    from fsdp_peft.modeling import load_tokenizer
-    from fsdp_peft.rl import read_prompts
+    from fsdp_peft.model.modeling import load_tokenizer
+    from fsdp_peft.procedures.rl import read_prompts
+    from fsdp_peft.settings.config import RecipeArguments
 
     rows = [{"prompt": "reverse: abcde", "completion": "edcba"}, {"prompt": "reverse: " + "a" * 40, "completion": "a"}]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

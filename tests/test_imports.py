@@ -97,8 +97,10 @@ def local_imports() -> list[tuple[str, int, str]]:
 
 def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
     graph = import_graph()
-    assert "fsdp_peft.plan" in graph["fsdp_peft.cli"]  # imported inside `_plan` only
-    assert "fsdp_peft.data" in graph["fsdp_peft.sft"]  # its import of a data submodule runs the package's __init__
+    assert "fsdp_peft.tools.plan" in graph["fsdp_peft.tools.cli"]  # imported inside `_plan` only
+    assert (
+        "fsdp_peft.data" in graph["fsdp_peft.procedures.sft"]
+    )  # its import of a data submodule runs the package's __init__
     assert "fsdp_peft.data.sources" in graph["fsdp_peft.data.formats"]
     assert "fsdp_peft.data" not in graph["fsdp_peft.data.formats"]  # its own package is loading already
     outside = ast.parse("from fsdp_peft.data.cache import load_data").body[0]
@@ -137,7 +139,11 @@ def test_the_package_stands_on_at_most_13_import_layers():
     assert layer[module] + 1 <= 13, " <- ".join(f"{m} ({layer[m]})" for m in chain)
 
 
-PROCEDURES = ("fsdp_peft.sft", "fsdp_peft.preference", "fsdp_peft.rl")  # `fsdp_peft.procedure.Procedure` values
+PROCEDURES = (
+    "fsdp_peft.procedures.sft",
+    "fsdp_peft.procedures.preference",
+    "fsdp_peft.procedures.rl",
+)  # `fsdp_peft.procedures.procedure.Procedure` values
 
 
 def test_the_procedures_are_siblings_that_one_skeleton_calls():
@@ -166,10 +172,10 @@ def test_every_import_inside_a_function_says_why_it_is_deferred():
 
 
 def test_the_model_record_is_the_only_state_set_on_models_by_name():
-    """What the model build decides travels in `fsdp_peft.model_record.ModelRecord`: outside that module no
+    """What the model build decides travels in `fsdp_peft.model.model_record.ModelRecord`: outside that module no
     ``setattr``/``delattr`` with a name, and no ``_fsdp_peft_*`` attribute assigned (the compat module patches
     upstream classes, and is the one other place allowed to)."""
-    allowed = {"fsdp_peft.model_record", "fsdp_peft._compat"}
+    allowed = {"fsdp_peft.model.model_record", "fsdp_peft.core._compat"}
     found = []
     for name, path in MODULES.items():
         if name in allowed:
@@ -180,3 +186,38 @@ def test_the_model_record_is_the_only_state_set_on_models_by_name():
             if called or (assigned and node.attr.startswith("_fsdp_peft")):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+# The rooms of the package, lowest first: a module imports only from its own room and the rooms before it
+# (README's layout table lists them top down). Outside every room and above them all: the recipes' skeleton, and the
+# package's own __init__ (which every import of a module runs first, so an import of it is no arrow).
+ROOMS = ("core", "settings", "model", "data", "parallel", "tools", "procedures")
+ABOVE_THE_ROOMS = {"fsdp_peft", "fsdp_peft.recipe"}
+
+
+def room_of(module: str) -> int:
+    """The index in `ROOMS` of a package module's room (past the last for the modules above them)."""
+    parts = module.split(".")
+    if module in ABOVE_THE_ROOMS:
+        return len(ROOMS)
+    return ROOMS.index(parts[1]) if len(parts) > 1 and parts[1] in ROOMS else -1
+
+
+def test_every_module_lies_in_a_room_and_imports_no_room_above_its_own():
+    graph = import_graph()
+    homeless = [m for m in graph if room_of(m) < 0]
+    assert not homeless, f"modules outside the rooms {ROOMS}: {homeless}"
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if target != "fsdp_peft" and room_of(target) > room_of(module)
+    )
+    assert not upward, "imports of a higher room:\n" + "\n".join(upward)
+    assert room_of("fsdp_peft.model.tiny") == 2 and room_of("fsdp_peft.model") == 2  # the package's own __init__ too
+
+
+def test_every_room_says_what_it_owns():
+    for room in ROOMS:
+        docstring = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text()))
+        assert docstring and len(docstring) > 100, f"fsdp_peft/{room}/__init__.py has no docstring of what it owns"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, last_json_line, run_command
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.settings.config import RecipeArguments
 
 CHECK = REPO / "tests" / "distributed" / "loading_check.py"
 STEPS = 3
@@ -89,7 +89,7 @@ def test_low_memory_loading_gives_every_rank_the_shards_and_losses_of_ordinary_l
 
 
 def test_low_memory_loading_is_asked_for_by_fsdp2_cpu_ram_efficient_loading_on_several_ranks(monkeypatch):
-    from fsdp_peft.loading import low_memory_loading_requested
+    from fsdp_peft.model.loading import low_memory_loading_requested
 
     def requested(**env) -> bool:
         for key in ("FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_USE_FSDP", "FSDP_VERSION", "WORLD_SIZE"):
@@ -115,8 +115,8 @@ def test_low_memory_loading_is_asked_for_by_fsdp2_cpu_ram_efficient_loading_on_s
 def test_skeleton_has_the_modules_shapes_and_dtypes_from_pretrained_builds(qlora, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_peft.loading import model_skeleton, pending_checkpoint
-    from fsdp_peft.modeling import quantization_config
+    from fsdp_peft.model.loading import model_skeleton, pending_checkpoint
+    from fsdp_peft.model.modeling import quantization_config
 
     recipe = RecipeArguments(load_in_4bit=qlora, torch_dtype="bfloat16" if qlora else "float32")
     dtype, quantization = getattr(torch, recipe.torch_dtype), quantization_config(recipe)
@@ -139,7 +139,7 @@ def test_skeleton_of_a_tied_model_shares_embeddings_and_head_as_from_pretrained_
     """One weight, which the checkpoint stores once: low-memory loading reads it once and ties it again."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-    from fsdp_peft.loading import model_skeleton
+    from fsdp_peft.model.loading import model_skeleton
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config.tie_word_embeddings = True
@@ -154,8 +154,8 @@ def test_adapters_on_a_skeleton_are_the_adapters_of_a_loaded_model(tiny_model_di
     """Same random initialisation, on the CPU, and the random stream left where loading leaves it."""
     from transformers import TrainingArguments, set_seed
 
-    from fsdp_peft.loading import model_skeleton
-    from fsdp_peft.modeling import attach_lora, load_base_model
+    from fsdp_peft.model.loading import model_skeleton
+    from fsdp_peft.model.modeling import attach_lora, load_base_model
 
     recipe = RecipeArguments(torch_dtype="float32", lora_r=8)
     training = TrainingArguments(output_dir=str(tiny_model_dir / "unused"), report_to=[])
@@ -175,7 +175,7 @@ def test_adapters_on_a_skeleton_are_the_adapters_of_a_loaded_model(tiny_model_di
 
 
 def test_reading_plan_goes_largest_first_and_names_what_it_cannot_read(tmp_path, tiny_model_dir):
-    from fsdp_peft.loading import reading_plan
+    from fsdp_peft.model.loading import reading_plan
 
     with torch.device("meta"):
         missing = {
@@ -231,12 +231,12 @@ def test_the_4bit_weights_each_rank_holds_gather_to_one_process_load_and_decode_
 def test_ordinary_loading_frees_each_units_weights_as_fsdp2_shards_it(tmp_path):
     """Accelerate holds a state dict of the unsharded model through FSDP2's sharding (read by its low-memory branch
     only): every rank peaked at its whole model plus its shards (one H200: twice the weights on one rank). The
-    sharding step frees each unit's weights as it goes (`fsdp_peft._compat.originals_released_while_sharding`).
+    sharding step frees each unit's weights as it goes (`fsdp_peft.core._compat.originals_released_while_sharding`).
     Measured here on this model (517 MiB in fp32 a rank, 258 MiB of shards): +26 MiB of anonymous memory while
     sharding; +265 MiB with accelerate's behaviour (``--keep-originals``), 2026-12-04."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
 
     model_dir = tmp_path / "model"
     config = LlamaConfig(

@@ -1,4 +1,4 @@
-"""The chunked causal-LM loss (`fsdp_peft.loss`): equal to the model's own loss, without its logits."""
+"""The chunked causal-LM loss (`fsdp_peft.model.loss`): equal to the model's own loss, without its logits."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from conftest import REPO, last_json_line, torchrun
-from fsdp_peft.config import resolve_recipe_config
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.loss import chunked_causal_lm_loss, chunked_loss_unavailable, head_computes_loss
-from fsdp_peft.validation import check_before_training
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.loss import chunked_causal_lm_loss, chunked_loss_unavailable, head_computes_loss
+from fsdp_peft.settings.config import resolve_recipe_config
+from fsdp_peft.tools.validation import check_before_training
 
 CHECK = Path(__file__).parent / "distributed" / "chunked_loss_check.py"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"

@@ -1,10 +1,10 @@
-"""Exact per-rank accounting (`fsdp_peft.memory`): bytes of parameters, gradients and optimizer states."""
+"""Exact per-rank accounting (`fsdp_peft.procedures.memory`): bytes of parameters, gradients and optimizer states."""
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_peft.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from fsdp_peft.procedures.memory import gradient_bytes, optimizer_state_bytes, parameter_bytes
 
 
 def test_accounting_counts_parameters_gradients_and_adam_states_after_a_step():

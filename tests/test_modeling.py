@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO, last_json_line, torchrun
-from fsdp_peft.config import RecipeArguments
-from fsdp_peft.modeling import disable_cpu_weight_repacking, load_base_model
+from fsdp_peft.model.modeling import disable_cpu_weight_repacking, load_base_model
+from fsdp_peft.settings.config import RecipeArguments
 
 CHECK = REPO / "tests" / "distributed" / "repacking_check.py"
 

@@ -59,7 +59,7 @@ def runs(request, tmp_path_factory, tiny_cache) -> dict:
 def _base(run, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_path(run["model"]), dtype=dtype)
 
@@ -134,8 +134,8 @@ def test_sharded_greedy_generation_matches_the_unsharded_model(runs):
     from transformers import AutoTokenizer
 
     from fsdp_peft.data.templates import render_prompt
-    from fsdp_peft.generation import GenerationSettings, generate_completions
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
     samples = [__import__("json").loads(line) for line in (runs["dir"] / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == SAMPLES
@@ -206,7 +206,8 @@ def test_the_routers_auxiliary_loss_is_applied_once_per_step_and_logged(tmp_path
     assert first_on["loss"] - first_off["loss"] == pytest.approx(0.5 * first_on["aux_loss"], abs=2e-4)
 
 
-# QLoRA: the experts in 4 bits (fsdp_peft.moe_quantization). bf16 compute, so 16 rows a rank as the dense QLoRA tests
+# QLoRA: the experts in 4 bits (fsdp_peft.model.moe_quantization). bf16 compute, so 16 rows a rank as the dense QLoRA
+# tests
 QLORA_RELATIVE = 1e-4
 QLORA = {"qwen_moe_qlora": "tiny-qwen3-moe", "mixtral_qlora": "tiny-mixtral"}
 
@@ -246,8 +247,8 @@ def test_the_experts_take_at_most_0_3_of_their_bf16_bytes_per_rank_and_the_plan_
     same experts' bf16 bytes split over 2 ranks; `fsdp-peft plan` of the config gives the same figure."""
     import math
 
-    from fsdp_peft.paths import tiny_model_path
-    from fsdp_peft.plan import plan_memory
+    from fsdp_peft.model.paths import tiny_model_path
+    from fsdp_peft.tools.plan import plan_memory
 
     layout = read_json(qlora_runs["dir"] / "fsdp_layout.json")
     measured = sum(
@@ -271,8 +272,8 @@ def test_low_memory_loading_quantizes_the_experts_as_ordinary_loading_does(qlora
 def test_qlora_sharded_generation_matches_the_unsharded_4bit_model(qlora_runs):
     """The samples of the 2-rank run against `fsdp-peft generate`'s one-process load of the adapter (its base
     quantized, experts included, on load)."""
-    from fsdp_peft.generation import GenerationSettings, generate_completions
-    from fsdp_peft.inference import load_for_generation
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+    from fsdp_peft.tools.inference import load_for_generation
 
     samples = [
         __import__("json").loads(line) for line in (qlora_runs["dir"] / "samples.jsonl").read_text().splitlines()
@@ -296,7 +297,7 @@ def test_nf4_export_merges_onto_the_experts_training_saw_as_peft_would(qlora_run
     from four_bit_reference import decode
     from peft import PeftModel
 
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     out = export_merged(qlora_runs["dir"], tmp_path / "nf4", dtype="fp32", base_variant="nf4", progress=False)
     merged = load_file(out / "model.safetensors")
@@ -324,8 +325,8 @@ def test_the_experts_the_qlora_forward_reads_are_the_reference_decode_of_the_sto
     scale, as bitsandbytes' CPU kernel did for these 96-wide experts, 0.25)."""
     from four_bit_reference import decode_expert_rows, relative_error
 
-    from fsdp_peft.inference import load_for_generation
-    from fsdp_peft.paths import tiny_model_path
+    from fsdp_peft.model.paths import tiny_model_path
+    from fsdp_peft.tools.inference import load_for_generation
 
     loaded = load_for_generation(qlora_runs["dir"] / "adapter", None, torch.device("cpu"), base_only=True)
     read, stored = {}, {}

@@ -1,4 +1,5 @@
-"""4-bit experts (`fsdp_peft.moe_quantization`) in one process: bitsandbytes' own values, the forward of the model with
+"""4-bit experts (`fsdp_peft.model.moe_quantization`) in one process: bitsandbytes' own values, the forward of the model
+with
 its experts dequantized, and the bytes, on the families with an entry and on generic-path MoEs (OLMoE, Qwen2-MoE)."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import pytest
 import torch
 from four_bit_reference import decode, decode_expert_rows, relative_error
 
-from fsdp_peft.moe import expert_parameters
-from fsdp_peft.moe_quantization import (
+from fsdp_peft.model.moe import expert_parameters
+from fsdp_peft.model.moe_quantization import (
     SUFFIX,
     dequantize_expert_rows,
     dequantize_in_forward,
@@ -47,7 +48,7 @@ def test_each_experts_row_decodes_by_the_reference_to_its_own_quantization(doubl
     """The stored rows read by the reference decoder (from the documented layout, not `ExpertLayout.offsets`) equal
     the rows `dequantize_expert_rows` gives, which equal bitsandbytes' quantization of each expert alone, decoded by
     the reference: exactly (0.0), for widths that are (64) and are not (96) a multiple of the 64-value block, where
-    bitsandbytes' own CPU kernel is wrong unpatched (`fsdp_peft._compat`)."""
+    bitsandbytes' own CPU kernel is wrong unpatched (`fsdp_peft.core._compat`)."""
     weight = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     layout = layout_for(weight.shape, quant_type, double_quant, torch.bfloat16)
     rows = quantize_expert_rows(weight, layout)

@@ -191,7 +191,7 @@ def test_hsdp_checkpoint_resumes_on_one_node(hsdp, one_node, tmp_path):
 
 @pytest.mark.slow
 def test_hsdp_checkpoint_exports_like_the_final_adapter(hsdp, tmp_path):
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     from_checkpoint = export_merged(hsdp / "checkpoint-3", tmp_path / "checkpoint", dtype="fp32", progress=False)
     from_adapter = export_merged(hsdp / "adapter", tmp_path / "adapter", dtype="fp32", progress=False)

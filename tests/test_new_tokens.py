@@ -1,4 +1,4 @@
-"""New tokens (`fsdp_peft.new_tokens`): the key's checks, the new rows' values, the grown model peft wraps.
+"""New tokens (`fsdp_peft.model.new_tokens`): the key's checks, the new rows' values, the grown model peft wraps.
 
 The 2-rank run, reload, export and plan of a run with new tokens: tests/test_variants.py (the tokens variant)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.modeling import load_base_model, load_tokenizer, lora_config
-from fsdp_peft.new_tokens import grow_vocabulary, new_tokens_of, trained_token_indices, with_new_rows
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.modeling import load_base_model, load_tokenizer, lora_config
+from fsdp_peft.model.new_tokens import grow_vocabulary, new_tokens_of, trained_token_indices, with_new_rows
 from fsdp_peft.recipe import parse_recipe_config
 
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -88,7 +88,7 @@ def test_a_tied_head_grows_with_the_embedding_and_uses_its_trained_rows(tmp_path
 
 
 def test_plan_counts_the_grown_embedding_and_head_their_trained_rows_and_the_full_logits(tmp_path):
-    from fsdp_peft.plan import plan_memory
+    from fsdp_peft.tools.plan import plan_memory
 
     plain, grown = tmp_path / "plain.yaml", tmp_path / "grown.yaml"
     plain.write_text(f"include: {LORA_TINY}\n")

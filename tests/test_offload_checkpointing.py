@@ -25,7 +25,7 @@ def test_cpu_offload_puts_every_sharded_parameter_under_fsdp_offloading(offload_
     report = offload_and_checkpointing["report"]
     plain = loading_run("lora", False, tmp_path_factory)["report"]
     parameters = torch.load(offload_and_checkpointing["dir"] / "shards-rank0.pt")["parameters"]
-    # without pinned memory: pinning needs an accelerator (`fsdp_peft.cpu_fsdp.unpinned_cpu_offload`)
+    # without pinned memory: pinning needs an accelerator (`fsdp_peft.parallel.cpu_fsdp.unpinned_cpu_offload`)
     assert report["offload"] == "CPUOffloadPolicy" and plain["offload"] == "OffloadPolicy"
     assert report["offloaded_parameters"] == len(parameters) == 95 and plain["offloaded_parameters"] == 0
     assert report["parameter_devices"] == ["cpu"]

@@ -1,4 +1,5 @@
-"""The memory planner (`fsdp_peft.plan`, ``fsdp-peft plan``) and the measured accounting (`fsdp_peft.memory`)."""
+"""The memory planner (`fsdp_peft.tools.plan`, ``fsdp-peft plan``) and the measured accounting
+(`fsdp_peft.procedures.memory`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from conftest import REPO, launch_recipe, read_json
-from fsdp_peft.cli import _environment, launcher_environment, main
-from fsdp_peft.plan import plan_memory
+from fsdp_peft.tools.cli import _environment, launcher_environment, main
+from fsdp_peft.tools.plan import plan_memory
 
 CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 RECIPES = {
@@ -42,8 +43,8 @@ def plan_for(config: Path, world_size: int, gpu_memory: int = 80 * 2**30):
 @pytest.fixture(scope="module")
 def loaded_models(tiny_model_dir):
     """The tiny model as each recipe really loads it: base (4-bit for QLoRA) plus LoRA adapters."""
-    from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.modeling import attach_lora, load_base_model
+    from fsdp_peft.model.modeling import attach_lora, load_base_model
+    from fsdp_peft.settings.config import resolve_recipe_config
 
     models = {}
     for method, recipe in RECIPES.items():
@@ -75,7 +76,7 @@ def test_planned_parameter_bytes_per_rank_equal_those_of_the_loaded_model(loaded
 
 
 def test_planned_quantization_constants_equal_those_of_the_loaded_model(loaded_models, tmp_path):
-    from fsdp_peft.memory import quantization_constant_bytes
+    from fsdp_peft.procedures.memory import quantization_constant_bytes
 
     plan = plan_for(recipe_config(tmp_path, "qlora"), 2)
     assert plan.gpu["quantization constants (whole)"] == quantization_constant_bytes(loaded_models["qlora"])
@@ -154,7 +155,7 @@ def test_preference_plans_count_trls_fused_head_tile_not_the_sft_loss(tmp_path):
     from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
-    from fsdp_peft.plan import TRL_TOKEN_TILE, TRL_VOCAB_TILE, load_model_config
+    from fsdp_peft.tools.plan import TRL_TOKEN_TILE, TRL_VOCAB_TILE, load_model_config
 
     assert (TRL_TOKEN_TILE, TRL_VOCAB_TILE) == (TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE)
     config = tmp_path / "dpo.yaml"
@@ -174,10 +175,10 @@ SHIPPED_CONFIGS = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if p.par
 @pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_plan_prints_a_table_for_every_shipped_config_without_network(config, capsys, monkeypatch):
     """As on a login node with no network and nothing downloaded: every hub model a shipped config names has its
-    published config.json in the package (`fsdp_peft.paths.shipped_hub_config`), and the hub is never asked."""
-    import fsdp_peft.paths as paths
-    import fsdp_peft.plan as planner
-    from fsdp_peft.paths import resolve_model_path
+    published config.json in the package (`fsdp_peft.model.paths.shipped_hub_config`), and the hub is never asked."""
+    import fsdp_peft.model.paths as paths
+    import fsdp_peft.tools.plan as planner
+    from fsdp_peft.model.paths import resolve_model_path
 
     read_local = paths.local_model_config
 
@@ -225,7 +226,8 @@ def test_a_tpu_config_is_planned_per_chip_without_an_xla_device(config, monkeypa
 
 
 def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_its_bf16_bytes():
-    """Qwen3-30B-A3B's experts are 94% of its weights: quantized with them (fsdp_peft.moe_quantization), the base a
+    """Qwen3-30B-A3B's experts are 94% of its weights: quantized with them (fsdp_peft.model.moe_quantization), the base
+    a
     GPU holds is its shard of the 4-bit rows and linear layers, the bf16 embeddings and head, and the constants."""
     plan = plan_memory(REPO / "configs" / "qwen_moe_qlora" / "qwen3_30b_a3b.yaml", 2, 24 * 2**30)
     counts = plan.counts
@@ -336,8 +338,8 @@ def test_plan_flags_override_the_accelerate_configs_loading_and_offload_and_say_
 def test_auto_leaves_every_layer_to_fsdps_own_checkpointing(tmp_path):
     """With fsdp_activation_checkpointing (accelerate's checkpoint wrapper on every layer) the plan does not choose
     layers of its own under auto, however little memory there is: the run would checkpoint them a second time."""
-    from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.plan import plan_recipe
+    from fsdp_peft.settings.config import resolve_recipe_config
+    from fsdp_peft.tools.plan import plan_recipe
 
     config = recipe_config(tmp_path, "lora")
     recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, str(tmp_path))

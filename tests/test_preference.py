@@ -17,11 +17,11 @@ import torch
 from datasets import Dataset
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
-from fsdp_peft import cli
-from fsdp_peft.config import RecipeArguments, read_yaml_config
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.preference import load_preference_data, read_preference_source
 from fsdp_peft.data.sources import Source
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.settings.config import RecipeArguments, read_yaml_config
+from fsdp_peft.tools import cli
 
 STEPS = 5
 COMMON = [
@@ -45,7 +45,7 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "log
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from fsdp_peft.modeling import load_tokenizer
+    from fsdp_peft.model.modeling import load_tokenizer
 
     return load_tokenizer(RecipeArguments(model_name_or_path=str(tiny_model_dir)))
 
@@ -208,7 +208,7 @@ def test_qlora_dpo_on_two_ranks_matches_one_process_and_keeps_fp32_adapters(tmp_
     unsharded process (no launcher, no FSDP) accumulating the same 4 micro-batches of 8. The reference keeps the
     micro-batch size: in bf16 the batch split itself moves the result (one process, 1 x 32 against 2 x 16: 4.7e-4
     relative on the loss, 2.8e-4 on the log-probs, measured 2026-12-01), independently of sharding. Accumulation
-    under FSDP2 was refused until `fsdp_peft._compat.fsdp2_accumulation_skips_ungathered_parameters`."""
+    under FSDP2 was refused until `fsdp_peft.core._compat.fsdp2_accumulation_skips_ungathered_parameters`."""
     qlora = ["--load_in_4bit", "true", "--bf16", "true", "--torch_dtype", "bfloat16", "--generate_samples", "0"]
     qlora += ["--per_device_train_batch_size", "8"]
     two, one = tmp_path_factory.mktemp("qlora_two"), tmp_path_factory.mktemp("qlora_one")
@@ -273,7 +273,7 @@ def _plain_log_probs(model_dir, tokenizer_texts):
 
 @pytest.mark.slow
 def test_reference_log_probs_are_the_unsharded_base_models_before_after_and_after_resume(runs):
-    from fsdp_peft.tiny import TINY_PREFERENCE_DIR
+    from fsdp_peft.model.tiny import TINY_PREFERENCE_DIR
 
     pairs = [json.loads(line) for line in (TINY_PREFERENCE_DIR / "eval.jsonl").read_text().splitlines()[:8]]
     prompt = "<|begin_of_text|><|user|>{}<|end|><|assistant|>"
@@ -332,7 +332,7 @@ def test_results_report_preference_before_and_after(runs):
 @pytest.mark.slow
 def test_generate_and_export_work_on_dpo_output(runs, tmp_path):
     two = runs["two"]
-    command = [sys.executable, "-m", "fsdp_peft.cli"]
+    command = [sys.executable, "-m", "fsdp_peft.tools.cli"]
     generated = run_command(
         [*command, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
@@ -375,7 +375,7 @@ def launched_with_fsdp(monkeypatch, version: int) -> None:
 
 
 def test_the_preference_config_is_taken_under_fsdp1_and_fsdp2(monkeypatch, tmp_path, capsys):
-    from fsdp_peft.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
     from fsdp_peft.recipe import parse_recipe_config
 
     config = REPO / "configs" / "llama_dpo" / "tiny.yaml"
@@ -392,7 +392,7 @@ def test_the_preference_config_is_taken_under_fsdp1_and_fsdp2(monkeypatch, tmp_p
 @pytest.mark.slow
 def test_dpo_under_fsdp1_matches_one_process(runs, tmp_path):
     """FSDP1 (once refused): the output head stays in the root unit, gathered for the whole forward, where TRL's
-    fused head reads its weight (`fsdp_peft.fsdp_policies.fsdp1_wrap_policy`, ``head_in_root``)."""
+    fused head reads its weight (`fsdp_peft.parallel.fsdp_policies.fsdp1_wrap_policy`, ``head_in_root``)."""
     fsdp1 = REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"
     launch_recipe("llama_dpo", "--output_dir", str(tmp_path), *COMMON, accelerate_config=fsdp1)
     units = read_json(tmp_path / "fsdp_layout.json")["units"]
@@ -408,7 +408,7 @@ def test_dpo_under_fsdp1_matches_one_process(runs, tmp_path):
 
 
 def test_xla_is_refused_before_training_with_one_line(monkeypatch, tmp_path):
-    from fsdp_peft.preference import PREFERENCE_PROCEDURE
+    from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
     from fsdp_peft.recipe import parse_recipe_config
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")

@@ -1,4 +1,4 @@
-"""The real tasks of SmolLM2-135M-Instruct (`fsdp_peft.real_tasks`): the splits share no question, the answers are
+"""The real tasks of SmolLM2-135M-Instruct (`fsdp_peft.model.real_tasks`): the splits share no question, the answers are
 right by a check that does not use the program, and the harness task reads the recipes' held-out rows. (That the
 shipped rows are the program's: tests/test_tiny.py, with every asset; the configs that train on them run in
 tests/test_docs.py, as docs/real_model.md shows them.)
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from fsdp_peft.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
+from fsdp_peft.model.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
 
 MONTHS = {
     name.lower(): number
@@ -52,7 +52,7 @@ def test_answers_are_right_and_no_question_is_in_both_splits(name):
 
 
 def test_the_harness_task_reads_the_held_out_rows_in_order():
-    from fsdp_peft.eval_tasks import load_tasks
+    from fsdp_peft.tools.eval_tasks import load_tasks
 
     held_out = _rows(task_dir(ISO_DATES_NAME) / "eval.jsonl")
     task = load_tasks(["iso_dates_em"], [], None, 1).tasks["iso_dates_em"]

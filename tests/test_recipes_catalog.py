@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_recipe, procedure_of, read_json, run_command
-from fsdp_peft import cli
-from fsdp_peft.catalog import CONFIGS, RECIPES
-from fsdp_peft.config import read_yaml_config
-from fsdp_peft.ending import plot_loss_curve, summary
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.families import family_for, tiny_family
-from fsdp_peft.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.procedures.ending import plot_loss_curve, summary
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+from fsdp_peft.procedures.sft import SFT_PROCEDURE, summary_lines
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.rl import GRPO_PROCEDURE
-from fsdp_peft.sft import SFT_PROCEDURE, summary_lines
+from fsdp_peft.settings.catalog import CONFIGS, RECIPES
+from fsdp_peft.settings.config import read_yaml_config
+from fsdp_peft.settings.families import family_for, tiny_family
+from fsdp_peft.tools import cli
 
 # TPU configs (configs/<recipe>/tpu_*.yaml) run in the TPU environment: tests/xla/ checks them there.
 RECIPE_CONFIGS = sorted(

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, launch_recipe, read_json, recipe_torchrun_command, run_command, tiny_llama_in_4bit
-from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.formats import read_examples
 from fsdp_peft.data.sources import data_files
 from fsdp_peft.data.templates import render_prompt
 from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
+from fsdp_peft.settings.config import RecipeArguments
 
 STEPS = 12
 SAMPLES = 8
@@ -230,7 +230,7 @@ def test_saved_adapter_on_a_fresh_unsharded_base_reproduces_the_eval_loss(run):
 def test_sharded_greedy_generation_matches_the_unsharded_model(run):
     from transformers import AutoTokenizer
 
-    from fsdp_peft.generation import GenerationSettings, generate_completions
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
     samples = [json.loads(line) for line in (run["dir"] / "samples.jsonl").read_text().splitlines()]
     _, eval_path = data_files(RecipeArguments())
@@ -327,7 +327,7 @@ def bf16_base(tmp_path_factory, tiny_model_dir):
 
 def test_export_from_adapter_and_from_sharded_checkpoint_equals_peft_merge(run, tmp_path):
     """fp32: exactly peft's merge. FSDP2 runs also export from their sharded checkpoint and in the recipe."""
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     reference = _peft_merged_reference(run, torch.float32)
     # the final adapter, the training output_dir (which holds it), and FSDP2's sharded checkpoint
@@ -344,7 +344,7 @@ def test_export_from_adapter_and_from_sharded_checkpoint_equals_peft_merge(run, 
 
 
 def test_bf16_export_is_within_one_ulp_of_peft_merge(run, tmp_path, bf16_base):
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     reference = _peft_merged_reference(run, torch.bfloat16, base=bf16_base)
     source = run["dir"] / (f"checkpoint-{STEPS}" if run["version"] == 2 else "adapter")
@@ -359,7 +359,7 @@ def test_bf16_export_is_within_one_ulp_of_peft_merge(run, tmp_path, bf16_base):
 
 
 def test_exported_directory_loads_without_peft_and_matches_base_plus_adapter(run, tmp_path):
-    from fsdp_peft.export import export_merged
+    from fsdp_peft.tools.export import export_merged
 
     out = export_merged(run["dir"] / "adapter", tmp_path / "merged", dtype="fp32", progress=False)
     script = (

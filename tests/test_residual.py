@@ -1,4 +1,4 @@
-"""PiSSA, OLoRA and LoftQ on a 4-bit base (`fsdp_peft.residual`): computed once from the full-precision
+"""PiSSA, OLoRA and LoftQ on a 4-bit base (`fsdp_peft.model.residual`): computed once from the full-precision
 checkpoint, the initial 4-bit model is closer to the full-precision model than plain QLoRA's, as the methods
 promise; the residual checkpoint is written once, atomically, and reused."""
 
@@ -11,15 +11,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, set_seed
 
 from conftest import REPO
-from fsdp_peft.export import export_merged
-from fsdp_peft.inference import load_for_generation
-from fsdp_peft.model_record import record_of
-from fsdp_peft.modeling import attach_lora, load_base_model
-from fsdp_peft.paths import cache_dir
+from fsdp_peft.model.model_record import record_of
+from fsdp_peft.model.modeling import attach_lora, load_base_model
+from fsdp_peft.model.paths import cache_dir
+from fsdp_peft.model.residual import INITIAL_ADAPTER
+from fsdp_peft.model.variants import converted_adapter_config
+from fsdp_peft.procedures.trainer import write_adapter, write_adapter_metadata
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.residual import INITIAL_ADAPTER
-from fsdp_peft.trainer import write_adapter, write_adapter_metadata
-from fsdp_peft.variants import converted_adapter_config
+from fsdp_peft.tools.export import export_merged
+from fsdp_peft.tools.inference import load_for_generation
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 

@@ -106,7 +106,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
 
 def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tiny_model_dir):
     """FSDP1 checkpoints hold the adapter and its optimizer state (accelerate alone saves neither), trainable
-    token rows included (a unit of their own, `fsdp_peft.fsdp_policies.fsdp1_wrap_policy`)."""
+    token rows included (a unit of their own, `fsdp_peft.parallel.fsdp_policies.fsdp1_wrap_policy`)."""
     fsdp1 = {"accelerate_config": REPO / "configs" / "accelerate" / "cpu_fsdp1.yaml"}
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     common = [*COMMON, "--trainable_token_indices", "3", "5", "7"]
@@ -131,7 +131,7 @@ def test_fsdp1_resume_repeats_the_uninterrupted_losses_and_adapter(tmp_path, tin
     adapter = load_file(interrupted / "adapter" / "adapter_model.safetensors")
     for key, tensor in reference.items():
         assert (adapter[key] - tensor).abs().max() <= 1e-6 * tensor.abs().max(), key
-    from fsdp_peft.adapter_files import read_sharded_adapter
+    from fsdp_peft.model.adapter_files import read_sharded_adapter
 
     assert sorted(read_sharded_adapter(interrupted / "checkpoint-5")) == sorted(reference)  # FSDP2's keys
     assert "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta" in reference

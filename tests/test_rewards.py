@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.rewards import (
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.procedures.rewards import (
     check_reward_funcs,
     exact_answer,
     final_number,

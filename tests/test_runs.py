@@ -23,9 +23,9 @@ import pytest
 from transformers import TrainingArguments
 
 from conftest import REPO, launch_recipe, read_json, recipe_launch_command, run_command
-from fsdp_peft import tiny
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.runs import LOCK_FILE, RUN_FILE, Run, begin_run, release_output_dir, start_run
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model import tiny
+from fsdp_peft.tools.runs import LOCK_FILE, RUN_FILE, Run, begin_run, release_output_dir, start_run
 
 QUICK = [
     "--max_steps",
@@ -369,7 +369,7 @@ START_THEN = """
 import os, signal, sys, time
 from pathlib import Path
 from transformers import TrainingArguments
-from fsdp_peft.runs import release_output_dir, start_run
+from fsdp_peft.tools.runs import release_output_dir, start_run
 
 out, end = Path(sys.argv[1]), sys.argv[2]
 training = TrainingArguments(output_dir=str(out), use_cpu=True, report_to="none")

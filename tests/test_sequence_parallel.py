@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.sequence_parallel import document_causal_mask, split_rows
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.parallel.sequence_parallel import document_causal_mask, split_rows
 
 STEPS = 5
 COMMON = [

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, a real pretrained model built from the package index's copy (`fsdp_peft.smollm2`).
+"""SmolLM2-135M-Instruct, a real pretrained model built from the package index's copy (`fsdp_peft.model.smollm2`).
 
 The checkpoint against transformers' own reading of the GGUF file; QLoRA on its real weights (2 ranks against one
 process, every NF4 weight each rank holds against the reference decoder, the 4-bit base's logits against the
@@ -73,7 +73,7 @@ def test_the_checkpoint_holds_the_gguf_files_weights_decoded_from_their_bytes(sm
     from gguf import GGUFReader
     from safetensors.torch import load_file
 
-    from fsdp_peft import smollm2
+    from fsdp_peft.model import smollm2
 
     gguf = smollm2.installed_gguf() or smollm2.downloaded_gguf(tmp_path)
     smollm2.checked(gguf, installed=smollm2.installed_gguf() is not None)
@@ -122,8 +122,8 @@ def test_the_model_answers_as_the_published_one_with_the_files_tokenizer(smollm2
 def test_the_hub_id_offline_resolves_to_the_built_copy_saying_so_once(smollm2_dir, tmp_path, monkeypatch, caplog):
     import huggingface_hub.constants
 
-    from fsdp_peft import paths
-    from fsdp_peft.choices import SMOLLM2_HUB_ID
+    from fsdp_peft.model import paths
+    from fsdp_peft.settings.choices import SMOLLM2_HUB_ID
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_hub_cache"))
@@ -139,8 +139,8 @@ def test_the_hub_id_offline_resolves_to_the_built_copy_saying_so_once(smollm2_di
 
 
 def test_a_file_that_is_not_the_packaged_one_is_refused_by_its_hash(tmp_path):
-    from fsdp_peft import smollm2
-    from fsdp_peft.errors import ConfigError
+    from fsdp_peft.core.errors import ConfigError
+    from fsdp_peft.model import smollm2
 
     other = tmp_path / smollm2.GGUF_FILE
     other.write_bytes(b"GGUF" + bytes(64))
@@ -308,7 +308,7 @@ def test_processes_asking_at_once_wait_for_one_build_and_a_killed_builds_leftove
     import threading
     import time
 
-    from fsdp_peft import paths, smollm2
+    from fsdp_peft.model import paths, smollm2
 
     monkeypatch.setenv("FSDP_PEFT_CACHE", str(tmp_path))
     stale = tmp_path / f".{smollm2.CHECKPOINT_NAME}.partial.killed"

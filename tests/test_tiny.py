@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from fsdp_peft import paths, tiny
+from fsdp_peft.model import paths, tiny
 
 
 def test_shipped_assets_are_exactly_what_the_generator_writes(tmp_path):
@@ -63,7 +63,7 @@ def test_weights_are_built_from_the_seed_and_load_through_from_pretrained(tiny_m
 
 
 def test_building_a_tiny_model_leaves_the_global_random_state_alone(tmp_path):
-    from fsdp_peft.tiny import TINY_MODEL_NAME, write_tiny_model
+    from fsdp_peft.model.tiny import TINY_MODEL_NAME, write_tiny_model
 
     torch.manual_seed(7)
     expected = torch.rand(4)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_peft import paths, tiny_vision
-from fsdp_peft.choices import TINY_VISION_MODEL_NAMES
-from fsdp_peft.tiny_vision import COLORS, QUESTION, load_processor
+from fsdp_peft.model import paths, tiny_vision
+from fsdp_peft.model.tiny_vision import COLORS, QUESTION, load_processor
+from fsdp_peft.settings.choices import TINY_VISION_MODEL_NAMES
 
 ARCHITECTURES = {
     "tiny-qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",

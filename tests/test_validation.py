@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_llama_in_4bit
-from fsdp_peft.config import resolve_recipe_config
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.fsdp_settings import fsdp_settings, rule_context
-from fsdp_peft.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.rl import GRPO_PROCEDURE
-from fsdp_peft.sft import SFT_PROCEDURE
-from fsdp_peft.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva, config_problems
+from fsdp_peft.settings.config import resolve_recipe_config
+from fsdp_peft.settings.fsdp_settings import fsdp_settings, rule_context
+from fsdp_peft.tools.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva, config_problems
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -304,8 +304,8 @@ CASES = {
         DPO_TINY,
         {},
         ["--init_lora_weights", "eva"],
-        "init_lora_weights: eva: its data pass (fsdp_peft.eva) reads SFT batches and the preference and GRPO "
-        "recipes do not",
+        "init_lora_weights: eva: its data pass (fsdp_peft.procedures.eva) reads SFT batches and the preference and "
+        "GRPO recipes do not",
     ),
     "_checkpoints_are_finished_by_one_rank": (
         LORA_TINY,
@@ -496,8 +496,8 @@ def test_the_grpo_recipes_get_the_refusals_of_trls_trainers(rule, monkeypatch, t
     ],
 )
 def test_sizes_are_single_key_ranges_refused_with_one_line_and_plan_refuses_them_too(argv, message, tmp_path):
-    from fsdp_peft.config import resolve_recipe_config
-    from fsdp_peft.validation import check_keys
+    from fsdp_peft.settings.config import resolve_recipe_config
+    from fsdp_peft.tools.validation import check_keys
 
     with pytest.raises(ConfigError) as error:
         parse_recipe_config(["--config", str(LORA_TINY), *argv], LORA_TINY, str(tmp_path))
@@ -592,8 +592,9 @@ def test_a_mixture_of_experts_takes_its_experts_through_lora_target_parameters_o
 
 
 def test_one_validation_resolves_the_fsdp_settings_once(monkeypatch, tmp_path):
-    """Every rule reads the settings from one context (`fsdp_peft.fsdp_settings.RuleContext`), resolved once."""
-    import fsdp_peft.fsdp_settings as settings_module
+    """Every rule reads the settings from one context (`fsdp_peft.settings.fsdp_settings.RuleContext`), resolved
+    once."""
+    import fsdp_peft.settings.fsdp_settings as settings_module
 
     calls = []
     resolve = settings_module.fsdp_settings
@@ -624,7 +625,7 @@ def test_an_offline_hub_typo_gets_the_shipped_name_it_is_closest_to(monkeypatch,
 
 
 def _validate_lines(config: Path, *arguments: str) -> tuple[int, list[str]]:
-    from fsdp_peft.cli import main
+    from fsdp_peft.tools.cli import main
 
     with pytest.raises(SystemExit) as exit_code, contextlib.redirect_stderr(io.StringIO()) as stderr:
         main(["validate", str(config), *arguments])
@@ -632,7 +633,7 @@ def _validate_lines(config: Path, *arguments: str) -> tuple[int, list[str]]:
 
 
 def test_validate_passes_a_shipped_config_offline_whose_model_is_not_downloaded(monkeypatch, capsys):
-    from fsdp_peft.cli import main
+    from fsdp_peft.tools.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     main(["validate", str(REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml")])
@@ -670,7 +671,7 @@ def test_skip_invalid_rows_lets_validate_pass_rows_it_would_drop_but_not_an_all_
         f"error: {data / 'train.jsonl'}: no row left to train on (1 missing field dropped); fix the data"
     ], lines
     (data / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
-    from fsdp_peft.cli import main
+    from fsdp_peft.tools.cli import main
 
     main(["validate", str(config)])
     assert capsys.readouterr().out.strip() == f"{config}: ok"

@@ -1,4 +1,4 @@
-"""LoRA variants (`fsdp_peft.variants`) end to end on 2 real gloo ranks, against one unsharded process.
+"""LoRA variants (`fsdp_peft.model.variants`) end to end on 2 real gloo ranks, against one unsharded process.
 
 Variants are combined so that nine 2-rank runs cover them: DoRA + rsLoRA + rank/alpha patterns + a trained
 ``lm_head`` copy + EVA init (FSDP2 and FSDP1), trainable tokens + new tokens + OLoRA init (FSDP2 with low-memory
@@ -21,16 +21,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
-from fsdp_peft.cli import _environment, launcher_environment
-from fsdp_peft.config import RecipeArguments
 from fsdp_peft.data.formats import read_examples
 from fsdp_peft.data.sources import data_files
 from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
-from fsdp_peft.export import export_merged
-from fsdp_peft.new_tokens import read_new_tokens, tokenizer_directory
-from fsdp_peft.plan import plan_memory
+from fsdp_peft.model.new_tokens import read_new_tokens, tokenizer_directory
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.runs import EVA_INIT_FILE
+from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.tools.cli import _environment, launcher_environment
+from fsdp_peft.tools.export import export_merged
+from fsdp_peft.tools.plan import plan_memory
+from fsdp_peft.tools.runs import EVA_INIT_FILE
 
 STEPS = 5
 NEW_TOKENS = ["<|tool_call|>", "<|tool_result|>"]  # new tokens in every completion of the "tokens" variant's data
@@ -270,7 +270,7 @@ def _trained_adapter_on_the_residual(run, directory):
     those on the residual checkpoint (the run's cached one)."""
     from peft import PeftConfig
 
-    from fsdp_peft.modeling import initialisation_checkpoint
+    from fsdp_peft.model.modeling import initialisation_checkpoint
 
     recipe, training = parse_recipe_config(["--config", str(run["config"])], run["config"], str(run["dir"]))
     residual, _ = initialisation_checkpoint(recipe, str(run["model"]), training, torch.device("cpu"))
@@ -353,12 +353,12 @@ def test_new_tokens_export_and_generate_use_the_grown_vocabulary(tmp_path, tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_peft.inference import load_for_generation
+    from fsdp_peft.tools.inference import load_for_generation
 
     run = two_rank_run("tokens", 2, tmp_path_factory, tiny_model_dir)
     adapter, out = run["dir"] / "adapter", tmp_path / "merged"
     script = (
-        "import sys; from fsdp_peft.export import export_merged; "
+        "import sys; from fsdp_peft.tools.export import export_merged; "
         f"export_merged({str(adapter)!r}, {str(out)!r}, dtype='fp32', progress=False); "
         "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))"
     )

@@ -4,7 +4,7 @@ other's all have images; labels on the answers only; QLoRA keeps the vision towe
 Each equivalence case trains 5 steps twice on the same rows in the same order (``train_sampling_strategy:
 sequential``): on 2 gloo ranks under FSDP2 (4 rows each a step) and in one process (the 8 rows at once). The rows
 are laid out so that at step 1 rank 0 holds only image rows and rank 1 only text rows, at step 2 the reverse, then
-mixed. The one process always has images in its batch: it never takes the blank-image path (`fsdp_peft.vision`)
+mixed. The one process always has images in its batch: it never takes the blank-image path (`fsdp_peft.model.vision`)
 that the text-only rank takes, so equal losses show that path adds nothing. LoRA cases train with plain SGD, so
 each lora_B (zero at the start) is minus the learning rate times the sum of its gradients.
 """
@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
-from fsdp_peft import paths
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_rows
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.families import FAMILIES, family_for
-from fsdp_peft.tiny_vision import QUESTION, load_processor
-from fsdp_peft.vision import quantization_skip_modules
+from fsdp_peft.model import paths
+from fsdp_peft.model.tiny_vision import QUESTION, load_processor
+from fsdp_peft.model.vision import quantization_skip_modules
+from fsdp_peft.settings.families import FAMILIES, family_for
 
 STEPS = 5
 COMMON = [
@@ -257,9 +257,9 @@ def test_image_tokens_past_max_seq_length_stop_the_recipe_before_any_weights_loa
 
 
 def test_skip_invalid_rows_leaves_out_and_counts_the_rows_that_would_stop_the_run(tmp_path, capsys):
-    from fsdp_peft.config import RecipeArguments
     from fsdp_peft.data.sources import Source
-    from fsdp_peft.vision_sft import _rows
+    from fsdp_peft.procedures.vision_sft import _rows
+    from fsdp_peft.settings.config import RecipeArguments
 
     source = paths.tiny_colors_path()
     rows = read_rows(source / "eval.jsonl")[:3]
@@ -287,8 +287,8 @@ def test_lora_adapts_the_language_models_layers_only_and_qlora_quantizes_only_th
     """The recipe's build (`modeling.load_base_model`, `modeling.attach_lora`) against the module tree itself:
     every adapted module is a linear layer of the language model, every one named (all of them for auto and
     all-linear), on the plain base and the 4-bit one; the tower and projector stay unquantized."""
-    from fsdp_peft.config import RecipeArguments
-    from fsdp_peft.modeling import attach_lora, load_base_model
+    from fsdp_peft.model.modeling import attach_lora, load_base_model
+    from fsdp_peft.settings.config import RecipeArguments
 
     recipe = RecipeArguments(model_name_or_path=model_name, load_in_4bit=four_bit, lora_target_modules=targets,
                              torch_dtype="bfloat16" if four_bit else "float32", lora_dropout=0.0)  # fmt: skip
@@ -310,7 +310,7 @@ def test_a_skip_list_that_matches_nothing_is_caught_and_ours_keeps_the_tower_16_
     bare ``visual`` that many guides give matches nothing and the tower is quantized."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
-    from fsdp_peft.vision import vision_weights_kept
+    from fsdp_peft.model.vision import vision_weights_kept
 
     path = paths.resolve_model_path("tiny-qwen2.5-vl")
     layout = family_for("qwen2_5_vl").vision
@@ -335,7 +335,7 @@ def test_each_vision_family_has_a_tiny_model_that_its_entry_fits(family):
     """tests/test_families.py's check for the text families: the entry's names are the model's."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from fsdp_peft.fsdp_policies import decoder_layer_classes
+    from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 
     path = paths.resolve_model_path(family.tiny_model)
     config = AutoConfig.from_pretrained(path)
@@ -459,7 +459,7 @@ def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_im
     row = read_rows(source / "eval.jsonl")[1]
     answer = row["messages"][-1]["content"][0]["text"]
     command = ["accelerate", "launch", "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
-               "-m", "fsdp_peft.cli", "generate", str(out), "--image", str(source / row["images"][0]),
+               "-m", "fsdp_peft.tools.cli", "generate", str(out), "--image", str(source / row["images"][0]),
                "--prompt", QUESTION, "--max-new-tokens", "8"]  # fmt: skip
     result = run_command(command)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -490,9 +490,9 @@ def test_rows_with_a_datasets_image_column_in_parquet_or_a_hub_split_train_as_th
     parquet file beside the config or as a hub split (``datasets.load_dataset``, here of that file: no network)."""
     import datasets
 
-    from fsdp_peft.config import RecipeArguments
     from fsdp_peft.data import sources
-    from fsdp_peft.vision_sft import _rows
+    from fsdp_peft.procedures.vision_sft import _rows
+    from fsdp_peft.settings.config import RecipeArguments
 
     source = paths.tiny_colors_path()
     rows = [r for r in read_rows(source / "train.jsonl") if r["images"]][:4]

@@ -19,16 +19,16 @@ from typing import Callable
 import datasets
 from datasets import Dataset, load_from_disk
 
-from fsdp_peft.atomic_publish import publish_directory
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.atomic_publish import publish_directory
+from fsdp_peft.core.distributed import gathered_from_every_rank, ranks
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.log import logger
 from fsdp_peft.data.formats import Example, held_out_example
 from fsdp_peft.data.packing import pack
 from fsdp_peft.data.sources import Source, data_sources, load_hub_split
 from fsdp_peft.data.tokenize import describe_dropped, encode_source
-from fsdp_peft.distributed import gathered_from_every_rank, ranks
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.log import logger
-from fsdp_peft.paths import cache_dir
+from fsdp_peft.model.paths import cache_dir
+from fsdp_peft.settings.config import RecipeArguments
 
 PREPROCESSING_VERSION = 1  # bump when the tokenized output of the same inputs changes
 DEFAULT_SEED = 42  # TrainingArguments' default seed

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from datasets import Dataset
 
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.sources import Source, read_source
-from fsdp_peft.errors import ConfigError
 
 DATA_FORMATS = ("auto", "prompt_completion", "instruction", "messages", "sharegpt")
 ROLES = ("system", "user", "assistant")

@@ -15,11 +15,11 @@ import torch
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from fsdp_peft.attention import chosen_attention, model_class_named
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.xla import on_xla
 from fsdp_peft.data.tokenize import IGNORE_INDEX
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.xla import on_xla
+from fsdp_peft.model.attention import chosen_attention, model_class_named
+from fsdp_peft.settings.config import RecipeArguments
 
 
 def pack(rows: Dataset, max_seq_length: int, seed: int) -> Dataset:

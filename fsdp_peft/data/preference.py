@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.log import logger
 from fsdp_peft.data.formats import ROLES, BadRow, _string, _turns, parse_row
 from fsdp_peft.data.sources import Source, data_sources, read_source
 from fsdp_peft.data.templates import chat_segments, render_prompt
 from fsdp_peft.data.tokenize import describe_dropped
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.log import logger
+from fsdp_peft.settings.config import RecipeArguments
 
 PREFERENCE_FORMATS = ("pairs", "unpaired")
 

@@ -17,11 +17,11 @@ import pandas
 import pyarrow.parquet
 from datasets import Dataset
 
-from fsdp_peft.choices import TINY_DATASET_NAME, TINY_PREFERENCE_NAME
-from fsdp_peft.config import RecipeArguments
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
-from fsdp_peft.tiny import TINY_DATASET_DIR, TINY_PREFERENCE_DIR
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.real_tasks import ISO_DATES_NAME, SUMS_NAME, task_dir
+from fsdp_peft.model.tiny import TINY_DATASET_DIR, TINY_PREFERENCE_DIR
+from fsdp_peft.settings.choices import TINY_DATASET_NAME, TINY_PREFERENCE_NAME
+from fsdp_peft.settings.config import RecipeArguments
 
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_NAMES = ("eval", "validation")

@@ -6,9 +6,9 @@ raw; a chat is rendered whole and cut at its assistant turns, which are the piec
 
 from __future__ import annotations
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.formats import BadRow, Example
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.settings.config import RecipeArguments
 
 
 def _chat_template(tokenizer) -> None:

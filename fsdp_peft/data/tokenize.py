@@ -15,11 +15,11 @@ from typing import Callable
 
 from datasets import Dataset, Features, List, Value, concatenate_datasets
 
-from fsdp_peft.config import RecipeArguments
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.formats import BadRow, Example, columns_of, detect_format, parse_row
 from fsdp_peft.data.sources import Source, read_source
 from fsdp_peft.data.templates import example_segments
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.settings.config import RecipeArguments
 
 IGNORE_INDEX = -100
 TRUNCATIONS = ("right", "left", "drop")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_peft.errors import ConfigError
+from fsdp_peft.core.errors import ConfigError
 
 IGNORE_INDEX = -100
 REMOTE = ("http://", "https://", "s3://", "gs://", "hf://")

@@ -18,12 +18,12 @@ from accelerate.state import AcceleratorState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from transformers import TrainerCallback, set_seed
 
-from fsdp_peft.config import RecipeArguments, build_training_arguments
+from fsdp_peft.core.distributed import start_process_group
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.packing import data_collator
-from fsdp_peft.distributed import start_process_group
-from fsdp_peft.modeling import attach_lora, load_base_model, load_tokenizer
-from fsdp_peft.trainer import PeftFsdpTrainer
+from fsdp_peft.model.modeling import attach_lora, load_base_model, load_tokenizer
+from fsdp_peft.procedures.trainer import PeftFsdpTrainer
+from fsdp_peft.settings.config import RecipeArguments, build_training_arguments
 
 start_process_group()  # the group the Trainer then uses, torn down at exit while the interpreter is whole
 OUT = sys.argv[sys.argv.index("--out") + 1]

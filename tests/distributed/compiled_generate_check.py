@@ -15,9 +15,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsdp_peft.distributed import release_process_group, start_process_group
-from fsdp_peft.fsdp_policies import register_generate
-from fsdp_peft.paths import tiny_model_path
+from fsdp_peft.core.distributed import release_process_group, start_process_group
+from fsdp_peft.model.paths import tiny_model_path
+from fsdp_peft.parallel.fsdp_policies import register_generate
 
 start_process_group()
 try:

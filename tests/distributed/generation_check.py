@@ -13,17 +13,17 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
-from fsdp_peft.config import RecipeArguments
-from fsdp_peft.distributed import release_process_group, start_process_group
-from fsdp_peft.fsdp_policies import shard_for_generation
-from fsdp_peft.generation import (
+from fsdp_peft.core.distributed import release_process_group, start_process_group
+from fsdp_peft.model.modeling import load_base_model, load_tokenizer
+from fsdp_peft.parallel.fsdp_policies import shard_for_generation
+from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.tools.generation import (
     GenerationSettings,
     _budget_agreed_by_all_ranks,
     _fsdp2_units,
     gathered_bytes,
     generate_completions,
 )
-from fsdp_peft.modeling import load_base_model, load_tokenizer
 
 NEW_TOKENS = 8
 start_process_group()  # and torn down at exit, while the interpreter is whole

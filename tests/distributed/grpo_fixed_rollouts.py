@@ -1,6 +1,7 @@
 """The GRPO recipe with its rollouts held fixed, for the 2-rank vs one-process equivalence tests.
 
-`fsdp_peft.rl.GRPO_PROCEDURE` runs unchanged (model build, FSDP, TRL's reward scoring, advantages, reference pass and
+`fsdp_peft.procedures.rl.GRPO_PROCEDURE` runs unchanged (model build, FSDP, TRL's reward scoring, advantages, reference
+pass and
 loss) except for sampling: each completion is a function of its prompt and its place in its group, and the reward
 (`token_reward`, named in the YAML as ``grpo_fixed_rollouts:token_reward``) a function of the completion alone. So
 2 ranks x B and one process x 2B see the same completions, rewards and advantages, and what is left to compare is
@@ -26,9 +27,9 @@ import trl.trainer.grpo_trainer
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import TrainerCallback
 
-from fsdp_peft import rl
-from fsdp_peft.catalog import CONFIGS
+from fsdp_peft.procedures import rl
 from fsdp_peft.recipe import run_recipe
+from fsdp_peft.settings.catalog import CONFIGS
 
 
 def token_reward(completions, completion_ids, **kwargs) -> list[float]:

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
-from fsdp_peft._compat import fsdp_param_groups
-from fsdp_peft.config import RecipeArguments
-from fsdp_peft.distributed import start_process_group
-from fsdp_peft.loading import low_memory_loading_requested
-from fsdp_peft.modeling import attach_lora, load_base_model
-from fsdp_peft.trainer import PeftFsdpTrainer
+from fsdp_peft.core._compat import fsdp_param_groups
+from fsdp_peft.core.distributed import start_process_group
+from fsdp_peft.model.loading import low_memory_loading_requested
+from fsdp_peft.model.modeling import attach_lora, load_base_model
+from fsdp_peft.procedures.trainer import PeftFsdpTrainer
+from fsdp_peft.settings.config import RecipeArguments
 
 start_process_group()  # the group the Trainer then uses, torn down at exit while the interpreter is whole
 
@@ -44,9 +44,9 @@ cli = parser.parse_args()
 if cli.keep_originals:
     import contextlib
 
-    import fsdp_peft.shard
+    import fsdp_peft.parallel.shard
 
-    fsdp_peft.shard.originals_released_while_sharding = contextlib.nullcontext
+    fsdp_peft.parallel.shard.originals_released_while_sharding = contextlib.nullcontext
 
 
 class RssSampler:

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_peft.config import RecipeArguments
-from fsdp_peft.distributed import release_process_group, start_process_group
-from fsdp_peft.modeling import load_base_model
+from fsdp_peft.core.distributed import release_process_group, start_process_group
+from fsdp_peft.model.modeling import load_base_model
+from fsdp_peft.settings.config import RecipeArguments
 
 start_process_group()  # and torn down at exit, while the interpreter is whole
 guarded = "--unguarded" not in sys.argv

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch_xla.distributed.fsdp.utils as xla_fsdp_utils
 
-from fsdp_peft.trainer import PeftFsdpTrainer
-from fsdp_peft.xla import parameter_shardings
+from fsdp_peft.core.xla import parameter_shardings
+from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 
 probe: dict = {"shardings": {}, "checkpointed": {}}
 original_checkpoint = xla_fsdp_utils.checkpoint

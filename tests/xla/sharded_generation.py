@@ -17,9 +17,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from transformers.integrations.tpu import wrap_model_xla_fsdp
 
-from fsdp_peft.fsdp_policies import decoder_layer_classes
-from fsdp_peft.paths import tiny_model_path
-from fsdp_peft.xla import expose_generate, parameter_shardings, prepare_for_xla_fsdp, xla_fsdp_config
+from fsdp_peft.core.xla import expose_generate, parameter_shardings, prepare_for_xla_fsdp, xla_fsdp_config
+from fsdp_peft.model.paths import tiny_model_path
+from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 
 PROMPTS = ["reverse: nkojg", "reverse: uzpjm", "reverse: tcdoc", "reverse: sonip"]
 NEW_TOKENS = 6

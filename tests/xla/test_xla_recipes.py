@@ -20,10 +20,10 @@ import torch_xla  # noqa: F401  (an error, not a skip, where the TPU environment
 from safetensors.torch import load_file
 
 from conftest import REPO, run_command
-from fsdp_peft.errors import ConfigError
-from fsdp_peft.export import export_merged
-from fsdp_peft.paths import tiny_model_path
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.model.paths import tiny_model_path
 from fsdp_peft.recipe import parse_recipe_config
+from fsdp_peft.tools.export import export_merged
 
 RECIPE = str(REPO / "recipes" / "llama_lora.py")
 PROBE = str(REPO / "tests" / "xla" / "probe.py")
@@ -141,8 +141,8 @@ def test_resuming_from_an_xla_checkpoint_repeats_the_uninterrupted_losses(runs):
 def test_the_summary_on_xla_prints_the_same_lines_as_on_the_cpu(runs):
     def summary(output_dir: Path) -> list[str]:
         results = json.loads((output_dir / "results.json").read_text())
-        from fsdp_peft.ending import summary as render
-        from fsdp_peft.sft import summary_lines
+        from fsdp_peft.procedures.ending import summary as render
+        from fsdp_peft.procedures.sft import summary_lines
 
         text = render(results, output_dir, summary_lines).replace(str(output_dir), "OUT")
         return [re.sub(r"\d+\.\d+", "N", line) for line in text.splitlines()]
@@ -217,7 +217,7 @@ def test_the_optimizer_fix_is_needed_and_applies(tmp_path):
     """Without `xla_fsdp_optimizer_created`, transformers 5.24 fails before the first step (the fix is still
     needed); the runs above train with it (it applies)."""
     unpatched = (
-        "import contextlib, runpy, sys; import fsdp_peft.shard as t; "
+        "import contextlib, runpy, sys; import fsdp_peft.parallel.shard as t; "
         "t.xla_fsdp_optimizer_created = lambda trainer: contextlib.nullcontext(); "
         f"sys.argv = [{RECIPE!r}, '--output_dir', {str(tmp_path / 'out')!r}, *{[*RUN, *SPMD, *NO_SAMPLES]!r}]; "
         f"runpy.run_path({RECIPE!r}, run_name='__main__')"
@@ -235,7 +235,7 @@ def test_the_optimizer_fix_is_needed_and_applies(tmp_path):
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*/tpu_*.yaml")), ids=lambda p: p.name)
 def test_tpu_configs_validate_on_xla_and_open_with_their_header(config, monkeypatch, capsys):
-    from fsdp_peft import cli
+    from fsdp_peft.tools import cli
 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     cli.main(["validate", str(config)])
@@ -251,7 +251,7 @@ def test_tpu_config_headers_give_the_plans_hbm_per_chip(monkeypatch, tmp_path):
     config.json (offline, as tests/test_docs.py serves it): its total is the header's figure."""
     from test_docs import HUB_CONFIGS
 
-    from fsdp_peft.plan import plan_memory
+    from fsdp_peft.tools.plan import plan_memory
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     for config in sorted((REPO / "configs").glob("*/tpu_*.yaml")):

@@ -1,0 +1,220 @@
+"""Online RL (GRPO) through TRL's `GRPOTrainer`, with the SFT trainer's FSDP behaviour and rollouts at unsharded speed.
+
+The procedure of the GRPO recipes (`fsdp_peft.procedures.procedure.Procedure`). Its data: prompts and answers (every row
+checked) and the reward functions (imported and tried on the first rows), before any weights load. Its score,
+before and after training: held-out exact match and mean reward of greedy completions.
+
+Rollouts are TRL's own sampling code with the same generation config and random state, run while every FSDP2
+unit stays gathered (`fsdp_peft.tools.generation.parameters_gathered`: one all-gather per ``generate`` call, not one per
+layer per decoded token as TRL's path does on a sharded model). With ``beta > 0`` the reference is the policy
+with its adapter disabled, as in the DPO recipes (no second copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from fsdp_peft.core._compat import trl_without_the_checkpointing_warning
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.core.log import logger
+from fsdp_peft.core.run_file_names import SAMPLES_FILE
+from fsdp_peft.data.formats import Example, held_out_example, source_examples
+from fsdp_peft.data.sources import data_sources
+from fsdp_peft.data.templates import render_example_prompt
+from fsdp_peft.data.tokenize import describe_dropped
+from fsdp_peft.procedures.procedure import Procedure, Setup
+from fsdp_peft.procedures.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
+from fsdp_peft.procedures.trainer import PeftFsdpMixin, ReferenceWithoutCopy
+from fsdp_peft.settings.config import RL, RecipeArguments
+from fsdp_peft.tools.generation import (
+    GenerationSettings,
+    generate_completions,
+    parameters_gathered,
+    parse_gather_budget,
+)
+
+
+class RolloutTrainer(ReferenceWithoutCopy, PeftFsdpMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` with the recipes' FSDP behaviour: rollouts with every FSDP2 unit gathered once per call,
+    prompts tokenized as the recipes' own generation tokenizes them, the adapter-disabled policy as reference."""
+
+    def __init__(self, *args, gather_budget: str = "auto", **kwargs):
+        self.gather_budget = gather_budget
+        super().__init__(*args, **kwargs)
+
+    def _tokenize_prompts(self, prompts: list):
+        """Rendered prompts (chat template applied by `fsdp_peft.data`) tokenized without added special tokens, as
+        SFT data and held-out generation tokenize them; chat prompts as TRL does."""
+        if prompts and isinstance(prompts[0], str):
+            return self.processing_class(text=prompts, add_special_tokens=False)["input_ids"], None, {}
+        return super()._tokenize_prompts(prompts)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget)."""
+        arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(*arguments)
+        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget)):
+            return super()._generate_single_turn(*arguments)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollouts and scores, without the FutureWarning its checkpointing switches raise (in `_compat`)."""
+        with trl_without_the_checkpointing_warning():
+            return super()._generate_and_score_completions(inputs)
+
+
+def grpo_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
+    """TRL's ``GRPOConfig`` and the fields the recipe keys set (the shared ones at GRPO's defaults)."""
+    return GRPOConfig, {
+        "beta": recipe.beta,
+        "loss_type": recipe.loss_type,
+        "num_generations": recipe.num_generations,
+        "max_completion_length": recipe.max_completion_length,
+        "temperature": recipe.temperature,
+        "top_p": recipe.top_p,
+        "top_k": recipe.top_k,
+        "min_p": recipe.min_p,
+        "repetition_penalty": recipe.repetition_penalty,
+        "steps_per_generation": recipe.steps_per_generation,
+        "num_iterations": recipe.num_iterations,
+        "epsilon": recipe.epsilon,
+        "epsilon_high": recipe.epsilon_high,
+        "scale_rewards": recipe.scale_rewards,
+        "mask_truncated_completions": recipe.mask_truncated_completions,
+        "reward_weights": recipe.reward_weights,
+        "remove_unused_columns": False,  # the reward functions read the answer column
+    }
+
+
+def read_prompts(source, tokenizer, recipe: RecipeArguments) -> tuple[list[dict], list[Example]]:
+    """Every row of ``source`` as ``{"prompt": rendered prompt, "answer": expected completion}``, and as the
+    held-out examples generation scores (a chat ends before its last answer, which is the expected one). A prompt
+    longer than ``max_seq_length`` tokens is refused (skipped with ``skip_invalid_rows``): the plan counts on it."""
+    examples, dropped = source_examples(source, recipe.data_format, recipe.skip_invalid_rows)
+    if dropped:
+        logger.warning(f"{source}: skipped {describe_dropped(dropped)} rows (skip_invalid_rows: true)")
+    examples = [held_out_example(example) for example in examples]
+    if not examples:
+        raise ConfigError(f"{source}: no row left to train on; fix the data")
+    rows = [
+        {"prompt": render_example_prompt(tokenizer, e, recipe.use_chat_template), "answer": e.completion}
+        for e in examples
+    ]
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    too_long = [i for i, length in enumerate(lengths) if length > recipe.max_seq_length]
+    if too_long and not recipe.skip_invalid_rows:
+        raise ConfigError(
+            f"{source}: row {too_long[0] + 1}: its prompt has {lengths[too_long[0]]} tokens, above max_seq_length "
+            f"{recipe.max_seq_length} ({len(too_long)} such rows); raise max_seq_length, shorten the prompts, or "
+            "set skip_invalid_rows: true"
+        )
+    if too_long:
+        logger.warning(f"{source}: skipped {len(too_long)} rows whose prompt is longer than max_seq_length")
+        kept = [i for i in range(len(rows)) if i not in set(too_long)]
+        rows, examples = [rows[i] for i in kept], [examples[i] for i in kept]
+    return rows, examples
+
+
+def load_rl_data(recipe: RecipeArguments, tokenizer) -> tuple[Dataset, list[Example]]:
+    """The training prompts (with answers for the rewards) and the held-out examples (eval data, else a split)."""
+    train_source, eval_source = data_sources(recipe)
+    rows, examples = read_prompts(train_source, tokenizer, recipe)
+    if eval_source is not None:
+        return Dataset.from_list(rows), read_prompts(eval_source, tokenizer, recipe)[1]
+    held = int(len(rows) * recipe.eval_split)
+    return Dataset.from_list(rows[held:]), examples[:held]
+
+
+def held_out_rewards(
+    model, tokenizer, examples, recipe, functions, names, device, samples_path: Path | None = None
+) -> dict | None:
+    """Greedy completions of the held-out prompts: exact match and each reward function's mean (rank 0; with
+    ``samples_path``, one JSON line per prompt there)."""
+    if not examples:
+        return None
+    prompts = [render_example_prompt(tokenizer, e, recipe.use_chat_template) for e in examples]
+    settings = dataclasses.replace(GenerationSettings.from_recipe(recipe), max_new_tokens=recipe.max_completion_length)
+    completions = generate_completions(model, tokenizer, prompts, settings, device)
+    if completions is None:
+        return None
+    answers = [e.completion for e in examples]
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    arguments = reward_arguments(rows, completions, ids)
+    means = {}
+    for function, name in zip(functions, names):
+        values = [v for v in function(**arguments) if v is not None]
+        means[name] = sum(values) / len(values) if values else None
+    hits = [c.strip() == a.strip() for c, a in zip(completions, answers)]
+    if samples_path is not None:
+        rows = [
+            {"prompt": e.prompt, "expected": a, "generated": c, "exact": h}
+            for e, a, c, h in zip(examples, answers, completions, hits)
+        ]
+        samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    exact = sum(hits) / len(examples)
+    return {"prompts": len(examples), "exact_match": exact, "rewards": means}
+
+
+def _load(recipe: RecipeArguments, tokenizer, training) -> tuple[Dataset, list[Example], list]:
+    """The prompts, the held-out examples and the reward functions, imported and tried on the first rows: all before
+    any weights load."""
+    train_data, held_out = load_rl_data(recipe, tokenizer)
+    functions = resolve_reward_funcs(recipe.reward_funcs)
+    first = [train_data[i] for i in range(min(2, len(train_data)))]
+    ids = [tokenizer(row["answer"], add_special_tokens=False)["input_ids"] for row in first]
+    check_reward_funcs(functions, recipe.reward_funcs, first, ids)
+    return train_data, held_out, functions
+
+
+def _trainer(setup: Setup, shared: dict) -> RolloutTrainer:
+    train_data, _, functions = setup.data
+    gather_budget = setup.recipe.generate_gather_budget
+    return RolloutTrainer(
+        setup.model, reward_funcs=functions, train_dataset=train_data, gather_budget=gather_budget, **shared
+    )
+
+
+def _score(setup: Setup, model, samples_path: Path | None = None) -> dict | None:
+    recipe, (_, held_out, functions) = setup.recipe, setup.data
+    samples = held_out[: recipe.generate_samples]
+    names, device = recipe.reward_funcs, setup.training.device
+    return held_out_rewards(model, setup.tokenizer, samples, recipe, functions, names, device, samples_path)
+
+
+def _after(trainer, setup: Setup, before: dict | None, output_dir: Path) -> dict:
+    after = _score(setup, trainer.model, output_dir / SAMPLES_FILE)
+    return {"loss_name": "GRPO", "held_out_before": before, "held_out_after": after}
+
+
+def summary_lines(results: dict, output_dir: Path) -> list[str]:
+    """A GRPO run's own summary lines: greedy completions of the held-out prompts scored, before and after."""
+    before, after = results["held_out_before"], results["held_out_after"]
+    if after is None:
+        return []
+    lines = [f"held-out prompts: {after['prompts']} (greedy completions)"]
+    scores = [("exact match", before and before["exact_match"], after["exact_match"])]
+    scores += [
+        (f"reward {name}", before and before["rewards"][name], value) for name, value in after["rewards"].items()
+    ]
+    for label, was, now in scores:
+        shown = "n/a (resumed)" if before is None else "n/a" if was is None else f"{was:.3f}"
+        lines.append(f"  {label}: before {shown}, after {'n/a' if now is None else f'{now:.3f}'}")
+    lines.append(f"samples: {output_dir / SAMPLES_FILE}")
+    return lines
+
+
+GRPO_PROCEDURE = Procedure(
+    name=RL,
+    load_data=_load,
+    trainer=_trainer,
+    before=lambda trainer, setup, model: _score(setup, model),
+    after=_after,
+    summary_lines=summary_lines,
+    arguments=grpo_arguments,
+)

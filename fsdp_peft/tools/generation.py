@@ -1,0 +1,303 @@
+"""Generation from the (possibly still sharded) model, with prompts spread over the ranks.
+
+Every rank takes its own slice of the prompts; rank 0 gathers the completions back into prompt order.
+
+Under FSDP2, `parameters_gathered` all-gathers the units once before ``generate`` and keeps them whole
+until it returns, instead of once per new token: up to a memory budget, in module order, so a model
+that does not fit whole keeps as many units as fit and the rest gather per forward as in training.
+When every unit is kept, ``generate`` issues no collective at all and each rank runs only its own
+prompts; otherwise every rank joins every forward (``synced_gpus``) and a rank without prompts of its
+own runs a placeholder. FSDP1 roots gather per forward (see `fsdp_peft.parallel.fsdp_policies.register_generate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import TrainerCallback
+
+from fsdp_peft.core._compat import fsdp_param_groups
+from fsdp_peft.core.distributed import gathered_from_every_rank
+from fsdp_peft.core.log import logger
+from fsdp_peft.core.run_file_names import EVAL_SAMPLES_FILE
+from fsdp_peft.core.safetensors_io import parse_size
+from fsdp_peft.data.formats import Example
+from fsdp_peft.data.templates import render_example_prompt
+from fsdp_peft.parallel.fsdp_layout import is_sharded
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How to generate: length, greedy or sampled, prompts per call, and the FSDP2 gather budget."""
+
+    max_new_tokens: int = 32
+    batch_size: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gather_budget: str = "auto"
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    stop_strings: tuple[str, ...] = ()  # also stop a completion once its text ends in one of these
+
+    @classmethod
+    def from_recipe(cls, recipe) -> GenerationSettings:
+        return cls(
+            recipe.generate_max_new_tokens, recipe.generate_batch_size, gather_budget=recipe.generate_gather_budget
+        )
+
+    def sampling_kwargs(self) -> dict:
+        if not self.do_sample:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+
+
+def parse_gather_budget(text: str) -> int | None:
+    """Bytes of gathered units ``generate`` may keep: ``None`` for all, 0 for none, else a size."""
+    value = str(text).strip().lower()
+    if value == "all":
+        return None
+    if value == "none":
+        return 0
+    if value == "auto":
+        return _free_memory() // 2
+    return parse_size(text, "generate_gather_budget")
+
+
+def _free_memory() -> int:
+    """Free memory on this rank's device: the accelerator's, else the host's available RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available
+
+
+def _fsdp2_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def gathered_bytes(unit: torch.nn.Module) -> int:
+    """Bytes an FSDP2 unit's own parameters take when gathered (global size × gather dtype)."""
+    state = unit._get_fsdp_state()
+    param_dtype = state._mp_policy.param_dtype
+    return sum(
+        p.sharded_param.numel() * (param_dtype or p.sharded_param.dtype).itemsize
+        for group in fsdp_param_groups(state)
+        for p in group.fsdp_params
+    )
+
+
+def _budget_agreed_by_all_ranks(budget: int | None) -> int | None:
+    """The smallest budget over the ranks: every rank must keep the same units, or collectives mismatch."""
+    finite = [b for b in gathered_from_every_rank(budget) if b is not None]
+    return min(finite) if finite else None
+
+
+@contextlib.contextmanager
+def parameters_gathered(model: torch.nn.Module, budget: int | None) -> Iterator[bool]:
+    """Keep FSDP2 units gathered for the whole block, up to ``budget`` bytes; yields whether all are.
+
+    Units are taken in module order (root, then layers in order) while they fit. On exit every kept unit
+    is resharded and its ``reshard_after_forward`` setting restored. Collective: every rank must enter.
+    Not an FSDP2 model: yields True when unsharded (nothing to gather), False for FSDP1.
+    """
+    units = _fsdp2_units(model)
+    if not units:
+        yield not is_sharded(model)
+        return
+    budget = _budget_agreed_by_all_ranks(budget)
+    kept, used = [], 0
+    for unit in units:
+        size = gathered_bytes(unit)
+        if budget is None or used + size <= budget:
+            kept.append(unit)
+            used += size
+    saved = [_reshard_setting(unit) for unit in kept]
+    try:
+        for unit in kept:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        yield len(kept) == len(units)
+    finally:
+        for unit, setting in zip(kept, saved):
+            unit.reshard()
+            _restore_reshard_setting(unit, setting)
+
+
+def _reshard_setting(unit) -> tuple:
+    # FSDP2 keeps reshard-after-forward as per-group mesh info; the root also has an "auto" flag.
+    state = unit._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_param_groups(state)]
+
+
+def _restore_reshard_setting(unit, setting: tuple) -> None:
+    state = unit._get_fsdp_state()
+    state._auto_reshard_after_forward, infos = setting
+    for group, info in zip(fsdp_param_groups(state), infos):
+        group.post_forward_mesh_info = info
+
+
+@torch.no_grad()
+def generate_completions(
+    model,
+    tokenizer,
+    prompts: list,
+    settings: GenerationSettings,
+    device: torch.device,
+    streamer=None,
+    encode: Callable[[list], dict] | None = None,
+) -> list[str] | None:
+    """Completions for ``prompts``: the full list on rank 0, ``None`` on other ranks.
+
+    ``streamer`` (a transformers streamer) receives rank 0's tokens as they are generated; it needs
+    batches of one prompt. ``encode``: a batch of prompts to model inputs (default: ``tokenizer`` on texts; a
+    vision-language model's processor on texts with images).
+    """
+    # the process group's ranks, the ones the gathers run over (`fsdp_peft.core.distributed.ranks`: the launcher's)
+    rank, world = group_ranks()
+    mine = list(range(rank, len(prompts), world))
+    with parameters_gathered(model, parse_gather_budget(settings.gather_budget)) as whole:
+        synced = world > 1 and not whole
+        # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
+        calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None
+        own = [prompts[i] for i in mine]
+        texts = complete_on_this_rank(model, tokenizer, own, settings, device, calls, prompts[0], streamer, encode)
+    results = list(zip(mine, texts))
+    if world == 1:
+        return [text for _, text in sorted(results)]
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(results, gathered, dst=0)
+    if rank != 0:
+        return None
+    return [text for _, text in sorted(pair for part in gathered for pair in part)]
+
+
+def group_ranks() -> tuple[int, int]:
+    """This process's rank and the world size of its process group (``(0, 1)`` without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def evaluation_mode(model, tokenizer) -> Iterator[None]:
+    """The model in eval mode and the tokenizer padding on the left for the block; both restored after."""
+    was_training, padding_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        yield
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+
+
+@torch.no_grad()
+def complete_on_this_rank(
+    model,
+    tokenizer,
+    prompts: list[str],
+    settings: GenerationSettings,
+    device: torch.device,
+    calls: int | None = None,
+    placeholder=None,
+    streamer=None,
+    encode: Callable[[list], dict] | None = None,
+) -> list[str]:
+    """This rank's completions of its own ``prompts``, in order, ``settings.batch_size`` per ``generate`` call.
+
+    Called inside `parameters_gathered`. ``calls`` set means the ranks are kept in step (``synced_gpus``): run
+    exactly that many calls, completing ``placeholder`` once the own prompts run out (their output dropped).
+    """
+    rank, _ = group_ranks()
+    count = calls if calls is not None else math.ceil(len(prompts) / settings.batch_size)
+    completions: list[str] = []
+    stop = list(settings.stop_strings) or None
+    with evaluation_mode(model, tokenizer):
+        for index in range(count):
+            texts = prompts[index * settings.batch_size : (index + 1) * settings.batch_size]
+            batch = texts or [placeholder]
+            if encode is None:
+                encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            else:
+                encoded = encode(batch)
+            encoded = {key: value.to(device) for key, value in encoded.items()}
+            output = model.generate(
+                **encoded,
+                max_new_tokens=settings.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
+                synced_gpus=calls is not None,
+                streamer=streamer if rank == 0 else None,
+                stop_strings=stop,
+                tokenizer=tokenizer if stop else None,
+                **settings.sampling_kwargs(),
+            )
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)[: len(texts)]
+    return completions
+
+
+def evaluate_exact_match(
+    model, tokenizer, examples: list[Example], recipe, device: torch.device, samples_path: Path | None = None
+) -> float | None:
+    """Exact-match accuracy of greedy completions on ``examples`` (rank 0; ``None`` elsewhere).
+
+    With ``samples_path``, rank 0 also writes one JSON line per example: prompt, expected, generated.
+    """
+    completions = _complete(model, tokenizer, examples, recipe, device)
+    if completions is None:
+        return None
+    records = [_sample_row(example, completion) for example, completion in zip(examples, completions)]
+    return exact_match_of(records, samples_path)
+
+
+def exact_match_of(records: list[dict], samples_path: Path | None = None) -> float:
+    """The share of ``records`` (``expected`` and ``generated`` among their keys) whose completion is the expected
+    one, stripped; with ``samples_path``, each record with its ``exact`` written there as a JSON line."""
+    hits = [record["generated"].strip() == record["expected"].strip() for record in records]
+    if samples_path is not None:
+        with open(samples_path, "w") as handle:
+            handle.writelines(json.dumps(record | {"exact": hit}) + "\n" for record, hit in zip(records, hits))
+    return sum(hits) / len(hits)
+
+
+def _complete(model, tokenizer, examples: list[Example], recipe, device: torch.device) -> list[str] | None:
+    prompts = [render_example_prompt(tokenizer, e, recipe.use_chat_template) for e in examples]
+    return generate_completions(model, tokenizer, prompts, GenerationSettings.from_recipe(recipe), device)
+
+
+def _sample_row(example: Example, completion: str) -> dict:
+    return {"prompt": example.prompt, "expected": example.completion, "generated": completion}
+
+
+class SamplesAtEvaluation(TrainerCallback):
+    """At each evaluation, completes ``examples`` on the sharded model and shows them (rank 0).
+
+    They are printed and appended to ``output_dir/eval_samples.jsonl`` with the step, so a run's progress
+    can be read as text, not only as a loss.
+    """
+
+    def __init__(self, tokenizer, examples: list[Example], recipe):
+        self.tokenizer, self.examples, self.recipe = tokenizer, examples, recipe
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if not self.examples:
+            return
+        completions = _complete(model, self.tokenizer, self.examples, self.recipe, args.device)
+        if completions is None:
+            return
+        lines = [f"samples at step {state.global_step}:"]
+        with open(Path(args.output_dir) / EVAL_SAMPLES_FILE, "a") as handle:
+            for example, completion in zip(self.examples, completions):
+                handle.write(json.dumps({"step": state.global_step, **_sample_row(example, completion)}) + "\n")
+                lines.append(f"  {example.prompt!r} -> {completion!r} (expected {example.completion!r})")
+        logger.info("\n".join(lines))
