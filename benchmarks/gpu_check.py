@@ -893,8 +893,7 @@ def sequence_parallel_yaml(directory: Path, model: str, size: dict, split: int) 
 
 def peaks(memory: dict) -> dict:
     """A run's GPU peaks from its memory.json (`fsdp_peft.procedures.memory.MemoryReport`): training's (what the plan
-    estimates),
-    loading's (the model loaded and sharded, before the first step) and the whole run's."""
+    estimates), loading's (the model loaded and sharded, before the first step) and the whole run's."""
     names = ("peak_gpu_allocated_bytes", "peak_gpu_allocated_training_bytes", "peak_gpu_allocated_loading_bytes")
     return {name: memory.get(name) for name in (*names, "peak_gpu_reserved_bytes")}
 

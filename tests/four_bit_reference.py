@@ -117,8 +117,7 @@ def decode_expert_rows(
     rows: torch.Tensor, shape, quant_type: str, double_quant: bool, dtype: torch.dtype, blocksize: int = 64
 ) -> torch.Tensor:
     """``[experts, out, in]`` from fsdp-peft's 4-bit expert rows (``fsdp_peft/model/moe_quantization.py``'s docstring),
-    read
-    from the layout as documented: per expert one row of bytes holding its packed values, then (each piece starting
+    read from the layout as documented: per expert one row of bytes holding its packed values, then (each piece starting
     on a 4-byte boundary) its block absmaxes (fp32; with double quantization uint8 indices, then the fp32 scales of
     their groups of 256, then the fp32 offset)."""
     experts, out_features, in_features = shape

@@ -172,8 +172,7 @@ def test_every_subcommands_help_answers_without_importing_torch_or_the_hugging_f
 
 def test_the_embedded_names_are_the_ones_the_builders_build():
     """`fsdp_peft.settings.choices` lists the causal LMs without torch; `fsdp_peft.model.tiny` keys its family models by
-    exactly
-    those names (tests/test_tiny_vision.py builds every vision-language name)."""
+    exactly those names (tests/test_tiny_vision.py builds every vision-language name)."""
     from fsdp_peft.model.tiny import TINY_FAMILY_CONFIGS
     from fsdp_peft.settings.choices import TINY_CAUSAL_LM_NAMES, TINY_MODEL_NAME
 

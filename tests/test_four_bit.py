@@ -263,8 +263,7 @@ def test_every_4bit_layer_of_an_odd_width_qlora_run_computes_with_the_reference_
 
 def test_loftqs_residual_computes_with_the_reference_weights():
     """LoftQ's alternation (`fsdp_peft.model.residual`) subtracts the 4-bit weights of a layer the run loads in 4 bits:
-    for
-    a width the unpatched kernel got wrong (96), they are the reference's decode of bitsandbytes' quantization."""
+    for a width the unpatched kernel got wrong (96), they are the reference's decode of bitsandbytes' quantization."""
     from fsdp_peft.model.residual import _dequantized
 
     settings = dict(quant_type="nf4", compress_statistics=True, blocksize=64, quant_storage=torch.bfloat16)

@@ -98,9 +98,8 @@ def local_imports() -> list[tuple[str, int, str]]:
 def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
     graph = import_graph()
     assert "fsdp_peft.tools.plan" in graph["fsdp_peft.tools.cli"]  # imported inside `_plan` only
-    assert (
-        "fsdp_peft.data" in graph["fsdp_peft.procedures.sft"]
-    )  # its import of a data submodule runs the package's __init__
+    # its import of a data submodule runs the package's __init__
+    assert "fsdp_peft.data" in graph["fsdp_peft.procedures.sft"]
     assert "fsdp_peft.data.sources" in graph["fsdp_peft.data.formats"]
     assert "fsdp_peft.data" not in graph["fsdp_peft.data.formats"]  # its own package is loading already
     outside = ast.parse("from fsdp_peft.data.cache import load_data").body[0]

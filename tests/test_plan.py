@@ -227,8 +227,7 @@ def test_a_tpu_config_is_planned_per_chip_without_an_xla_device(config, monkeypa
 
 def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_its_bf16_bytes():
     """Qwen3-30B-A3B's experts are 94% of its weights: quantized with them (fsdp_peft.model.moe_quantization), the base
-    a
-    GPU holds is its shard of the 4-bit rows and linear layers, the bf16 embeddings and head, and the constants."""
+    a GPU holds is its shard of the 4-bit rows and linear layers, the bf16 embeddings and head, and the constants."""
     plan = plan_memory(REPO / "configs" / "qwen_moe_qlora" / "qwen3_30b_a3b.yaml", 2, 24 * 2**30)
     counts = plan.counts
     assert counts.expert_parameters / counts.base_parameters > 0.9

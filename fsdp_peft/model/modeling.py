@@ -162,9 +162,8 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     """
     device = local_device()
     path, initial_adapter = resolve_model_path(recipe.model_name_or_path), None
-    if init_computed_before_loading(
-        recipe, training
-    ):  # PiSSA/OLoRA/LoftQ: load the residual (fsdp_peft.model.residual)
+    # PiSSA/OLoRA/LoftQ: load the residual (fsdp_peft.model.residual)
+    if init_computed_before_loading(recipe, training):
         path, initial_adapter = initialisation_checkpoint(recipe, path, training, device)
     if low_memory_loading_requested(training):
         model = model_skeleton(

@@ -190,8 +190,7 @@ def quantize_experts(
 ) -> list[QuantizedMoeBlock]:
     """Replace every expert parameter of ``model`` (3D, in a module called ``experts``) by its 4-bit rows (empty, on
     meta, for a weightless skeleton: the weights are quantized as they load, `fsdp_peft.model.loading`). Its name holds
-    a
-    weightless placeholder Parameter on ``device``, for peft to size its adapters by; `dequantize_in_forward` then
+    a weightless placeholder Parameter on ``device``, for peft to size its adapters by; `dequantize_in_forward` then
     makes it a buffer filled in the forward."""
     quantized = []
     for block in list(model.modules()):

@@ -39,12 +39,10 @@ def end_run(
 
     ``measure(output_dir)`` runs on every rank after the adapter is saved and returns the procedure's results
     (rank 0's go into ``results.json``); ``procedure`` (`fsdp_peft.procedures.procedure.Procedure`) names them and
-    prints
-    its own summary lines of them. ``harness_during``: the run's `fsdp_peft.tools.evaluation.HarnessDuringTraining`,
-    when
-    ``eval_tasks_steps`` made one. ``checkpointing``: what the run checkpointed and why (`fsdp_peft.recipe`);
-    ``compiled_layers``: the layers ``compile: true`` compiled (`fsdp_peft.model.compiled`).
-    """
+    prints its own summary lines of them. ``harness_during``: the run's
+    `fsdp_peft.tools.evaluation.HarnessDuringTraining`, when ``eval_tasks_steps`` made one. ``checkpointing``: what the
+    run checkpointed and why (`fsdp_peft.recipe`); ``compiled_layers``: the layers ``compile: true`` compiled
+    (`fsdp_peft.model.compiled`)."""
     output_dir = Path(trainer.args.output_dir)
     adapter_dir = trainer.save_adapter(output_dir / "adapter")
     trainer.save_state()

@@ -135,9 +135,8 @@ def field_types(*classes) -> dict[str, Any]:
     for cls in classes:
         resolved = typing.get_type_hints(cls)
         hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init})
-    for key in (
-        CHECKPOINTING_KEYS
-    ):  # `auto` besides true/false: fsdp_peft.settings.checkpointing resolves it before the Trainer
+    # `auto` besides true/false: fsdp_peft.settings.checkpointing resolves it before the Trainer
+    for key in CHECKPOINTING_KEYS:
         if key in hints:
             hints[key] = hints[key] | typing.Literal[AUTO]
     return hints

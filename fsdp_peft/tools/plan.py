@@ -212,8 +212,7 @@ def fsdp1_flat_parameters(
     peft_model, layer_classes: set[type], head_in_root: bool = False
 ) -> list[list[torch.nn.Parameter]]:
     """The tensors FSDP1 flattens together, one list per unit (`fsdp_peft.parallel.fsdp_policies.fsdp1_wrap_policy`, the
-    root
-    unit holding what no other unit does): each tensor belongs to the smallest unit around it."""
+    root unit holding what no other unit does): each tensor belongs to the smallest unit around it."""
     policy = fsdp1_wrap_policy(peft_model, layer_classes, head_in_root)
     units = [peft_model] + [
         m for m in peft_model.modules() if m is not peft_model and policy(module=m, recurse=False, nonwrapped_numel=0)
@@ -615,9 +614,8 @@ def plan_recipe(
         largest = max(counts.largest_linear_numel, counts.largest_expert_numel)
         gathered += largest * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
     plan.gpu["gathered units at peak (est.)"] = gathered
-    chunk_tokens = (
-        0 if xla is not None else recipe.loss_chunk_tokens
-    )  # XLA: the model's own loss (fsdp_peft.model.loss)
+    # XLA: the model's own loss (fsdp_peft.model.loss)
+    chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens
     unavailable = chunked_loss_unavailable(peft_model.get_base_model(), SimpleNamespace(**training))
     if chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
         chunk_tokens = 0
@@ -676,10 +674,9 @@ def plan_recipe(
 
 def choose_checkpointing(plan: MemoryPlan, activations, offload_possible: bool, all_or_none: bool) -> Checkpointing:
     """``activation_checkpointing: auto``: the first of `fsdp_peft.settings.checkpointing.candidates` (fewest layers
-    first)
-    whose peak stays within ``1 - MARGIN`` of the GPU, else the last (the least memory); ``activations(checkpointing)``
-    gives a candidate's activations row. Sets the plan's checkpointing, its activations row, the candidates and why;
-    returns the least memory of them."""
+    first) whose peak stays within ``1 - MARGIN`` of the GPU, else the last (the least memory);
+    ``activations(checkpointing)`` gives a candidate's activations row. Sets the plan's checkpointing, its activations
+    row, the candidates and why; returns the least memory of them."""
     total = plan.checkpointable_layers
     options = candidates(total, offload_possible)
     if all_or_none:
@@ -707,8 +704,7 @@ def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -
     ``torch_dtype``, quantized after loading), its adapters and quantization constants, the largest unit's shard
     being made, and the CUDA context. FSDP2 frees each unit's weights as it shards it
     (`fsdp_peft.core._compat.originals_released_while_sharding`; accelerate alone held them all: twice the weights on
-    one
-    H200, 2026-12-04). Low-memory loading puts only shards on a GPU."""
+    one H200, 2026-12-04). Low-memory loading puts only shards on a GPU."""
     base = whole.base_bytes
     if whole.expert_parameters and recipe.load_in_4bit:
         base += whole.expert_parameters * DTYPE_BYTES[recipe.torch_dtype] - whole.expert_bytes
