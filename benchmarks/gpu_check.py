@@ -342,7 +342,7 @@ def run_one(args) -> dict:
 
     # isort: on
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 
     from fsdp_peft.model.modeling import attach_lora, load_base_model, local_device, quantization_config
     from fsdp_peft.model.moe import expert_count
@@ -387,7 +387,9 @@ def run_one(args) -> dict:
         base = AutoModelForCausalLM.from_pretrained(
             resolve_model_path(recipe.model_name_or_path),  # an embedded model's name: its directory
             dtype=torch.bfloat16,
-            quantization_config=quantization_config(recipe),
+            quantization_config=quantization_config(
+                recipe, AutoConfig.from_pretrained(resolve_model_path(recipe.model_name_or_path))
+            ),
             device_map={"": local_device()},
         )
         lora = LoraConfig(
@@ -622,11 +624,12 @@ def expert_rows_cases(device) -> dict:
     from four_bit_reference import decode_expert_rows
 
     from fsdp_peft.model.moe_quantization import dequantize_expert_rows, layout_for, quantize_expert_rows
+    from fsdp_peft.settings.four_bit import FourBit
 
     weight = torch.randn(KERNEL_EXPERTS, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
     cases = []
     for quant_type, nested in itertools.product(("nf4", "fp4"), (True, False)):
-        layout = layout_for(weight.shape, quant_type, nested, torch.bfloat16)
+        layout = layout_for(weight.shape, FourBit(quant_type, nested, storage_dtype="bfloat16"))
         rows = quantize_expert_rows(weight, layout)
         got = dequantize_expert_rows(rows, layout, torch.bfloat16).cpu()
         want = decode_expert_rows(rows.cpu(), weight.shape, quant_type, nested, torch.bfloat16)

@@ -113,13 +113,14 @@ def test_low_memory_loading_is_asked_for_by_fsdp2_cpu_ram_efficient_loading_on_s
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
 def test_skeleton_has_the_modules_shapes_and_dtypes_from_pretrained_builds(qlora, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp_peft.model.loading import model_skeleton, pending_checkpoint
     from fsdp_peft.model.modeling import quantization_config
 
     recipe = RecipeArguments(load_in_4bit=qlora, torch_dtype="bfloat16" if qlora else "float32")
-    dtype, quantization = getattr(torch, recipe.torch_dtype), quantization_config(recipe)
+    quantization = quantization_config(recipe, AutoConfig.from_pretrained(tiny_model_dir))
+    dtype = getattr(torch, recipe.torch_dtype)
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype, quantization_config=quantization)
     skeleton = model_skeleton(tiny_model_dir, dtype, quantization)
     assert pending_checkpoint(skeleton) == str(tiny_model_dir) and pending_checkpoint(loaded) is None

@@ -21,6 +21,7 @@ from fsdp_peft.model.moe_quantization import (
     quantize_experts,
     quantized_share,
 )
+from fsdp_peft.settings.four_bit import FourBit
 
 SIZES = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 MOES = {
@@ -50,7 +51,7 @@ def test_each_experts_row_decodes_by_the_reference_to_its_own_quantization(doubl
     the reference: exactly (0.0), for widths that are (64) and are not (96) a multiple of the 64-value block, where
     bitsandbytes' own CPU kernel is wrong unpatched (`fsdp_peft.core._compat`)."""
     weight = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
-    layout = layout_for(weight.shape, quant_type, double_quant, torch.bfloat16)
+    layout = layout_for(weight.shape, FourBit(quant_type, double_quant, storage_dtype="bfloat16"))
     rows = quantize_expert_rows(weight, layout)
     assert rows.shape == (4, layout.row_bytes // 2) and rows.dtype == torch.bfloat16
     stacked = dequantize_expert_rows(rows, layout, torch.float32)
@@ -71,7 +72,8 @@ def test_a_model_with_4bit_experts_computes_what_it_computes_with_their_dequanti
     names = expert_parameters(model)
     assert names == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     reference = copy.deepcopy(model)
-    blocks = quantize_experts(model, "nf4", True, torch.bfloat16, torch.float32, torch.device("cpu"))
+    four_bit = FourBit("nf4", True, compute_dtype="float32", storage_dtype="bfloat16")
+    blocks = quantize_experts(model, four_bit, torch.device("cpu"))
     dequantize_in_forward(blocks)
     assert len(blocks) == 2 and all(len(block.parameters) == 2 for block in blocks)
     stored = [name for name, _ in model.named_parameters() if name.endswith(SUFFIX)]
@@ -98,8 +100,8 @@ def test_a_real_experts_row_is_a_quarter_of_its_bf16_bytes_plus_under_one_percen
     """Qwen3-30B-A3B's gate_up expert (1536 x 2048) and Mixtral's (28672 x 4096): 4-bit values, uint8 block scales,
     fp32 second-level scales and offset."""
     for shape in ((128, 1536, 2048), (8, 28672, 4096)):
-        layout = layout_for(shape, "nf4", True, torch.bfloat16)
+        layout = layout_for(shape, FourBit("nf4", True, storage_dtype="bfloat16"))
         ratio = layout.row_bytes / (shape[1] * shape[2] * 2)
         assert 0.25 < ratio < 0.26, (shape, ratio)
     with pytest.raises(ValueError, match="not a whole number of 64-value blocks"):
-        layout_for((2, 3, 10), "nf4", True, torch.bfloat16)
+        layout_for((2, 3, 10), FourBit("nf4", True, storage_dtype="bfloat16"))

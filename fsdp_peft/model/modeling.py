@@ -16,6 +16,7 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     BitsAndBytesConfig,
+    PretrainedConfig,
     PreTrainedModel,
     TrainingArguments,
     set_seed,
@@ -60,6 +61,7 @@ from fsdp_peft.model.vision import (
 )
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.families import family_for, family_of_model, lora_targets, pad_token_for
+from fsdp_peft.settings.four_bit import FourBit
 from fsdp_peft.settings.fsdp_settings import mixed_precision_dtype
 
 
@@ -136,21 +138,13 @@ def load_tokenizer(recipe: RecipeArguments):
     return tokenizer
 
 
-def quantization_config(recipe: RecipeArguments) -> BitsAndBytesConfig | None:
-    """QLoRA's 4-bit config; the storage dtype is the FSDP gather dtype so shards hold whole bytes."""
-    if not recipe.load_in_4bit:
+def quantization_config(recipe: RecipeArguments, config: PretrainedConfig) -> BitsAndBytesConfig | None:
+    """QLoRA's 4-bit config for a model of ``config`` (a VLM's tower stays 16-bit); the storage dtype is the FSDP
+    gather dtype so shards hold whole bytes."""
+    four_bit = FourBit.of(recipe)
+    if four_bit is None:
         return None
-    config = AutoConfig.from_pretrained(
-        resolve_model_path(recipe.model_name_or_path), trust_remote_code=recipe.trust_remote_code
-    )
-    return BitsAndBytesConfig(
-        llm_int8_skip_modules=quantization_skip_modules(family_for(config.model_type)),  # a VLM's tower: 16-bit
-        load_in_4bit=True,
-        bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=getattr(torch, recipe.bnb_4bit_compute_dtype),
-        bnb_4bit_quant_storage=getattr(torch, recipe.bnb_4bit_quant_storage),
-    )
+    return four_bit.bitsandbytes_config(quantization_skip_modules(family_for(config.model_type)))
 
 
 def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None = None) -> PreTrainedModel:
@@ -162,19 +156,19 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     """
     device = local_device()
     path, initial_adapter = resolve_model_path(recipe.model_name_or_path), None
-    # PiSSA/OLoRA/LoftQ: load the residual (fsdp_peft.model.residual)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
+    # PiSSA/OLoRA/LoftQ: load the residual (fsdp_peft.model.residual), a checkpoint of the same architecture
     if init_computed_before_loading(recipe, training):
-        path, initial_adapter = initialisation_checkpoint(recipe, path, training, device)
+        path, initial_adapter = initialisation_checkpoint(recipe, path, config, training, device)
     if low_memory_loading_requested(training):
         model = model_skeleton(
-            path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
+            path, getattr(torch, recipe.torch_dtype), quantization_config(recipe, config), recipe.trust_remote_code
         )
     else:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
         model = auto_model_class(config).from_pretrained(
             path,
             dtype=getattr(torch, recipe.torch_dtype),
-            quantization_config=quantization_config(recipe),
+            quantization_config=quantization_config(recipe, config),
             device_map={"": device},
             trust_remote_code=recipe.trust_remote_code,
         )
@@ -188,14 +182,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
         disable_cpu_weight_repacking(model)
     record_of(model).initial_adapter_file = initial_adapter
     if recipe.load_in_4bit:  # a mixture of experts: its experts too (transformers quantizes Linear layers only)
-        record_of(model).quantized_experts = quantize_experts(
-            model,
-            recipe.bnb_4bit_quant_type,
-            recipe.bnb_4bit_use_double_quant,
-            getattr(torch, recipe.bnb_4bit_quant_storage),
-            getattr(torch, recipe.bnb_4bit_compute_dtype),
-            device,
-        )
+        record_of(model).quantized_experts = quantize_experts(model, FourBit.of(recipe), device)
     if recipe.load_in_4bit and pending_checkpoint(model) is None:  # a skeleton's 4-bit layers are not built yet
         quantized, total = quantized_share(model)
         logger.info(
@@ -209,10 +196,13 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
     return model
 
 
-def initialisation_checkpoint(recipe: RecipeArguments, path: str, training, device: torch.device):
-    """The residual checkpoint and initial adapter of PiSSA/OLoRA/LoftQ, targets read from a weightless model."""
+def initialisation_checkpoint(
+    recipe: RecipeArguments, path: str, config: PretrainedConfig, training, device: torch.device
+):
+    """The residual checkpoint and initial adapter of PiSSA/OLoRA/LoftQ, targets read from a weightless model of
+    ``config``."""
     skeleton = model_skeleton(
-        path, getattr(torch, recipe.torch_dtype), quantization_config(recipe), recipe.trust_remote_code
+        path, getattr(torch, recipe.torch_dtype), quantization_config(recipe, config), recipe.trust_remote_code
     )
     with adapters_created_off_meta():
         targets = lora_linear_targets(peft_wrapped(skeleton, lora_config(recipe, skeleton, shapes_only=True)))

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_peft.model.moe import EXPERTS_MODULE
+from fsdp_peft.settings.four_bit import BLOCKSIZE, NESTED_BLOCKSIZE, FourBit
 
 SUFFIX = "_4bit"
-BLOCK = 64  # values per block scale, as transformers' 4-bit linear layers
-NESTED_BLOCK = 256  # block scales per scale of the double quantization (bitsandbytes' own)
+BLOCK = BLOCKSIZE  # values per block scale, as transformers' 4-bit linear layers
+NESTED_BLOCK = NESTED_BLOCKSIZE  # block scales per scale of the double quantization
 ALIGN = 4  # every piece of a row starts on a 4-byte boundary (the fp32 pieces are read in place)
 
 
@@ -69,13 +70,13 @@ class ExpertLayout:
         return self.offsets()[3]
 
 
-def layout_for(shape: torch.Size | tuple, quant_type: str, double_quant: bool, storage: torch.dtype) -> ExpertLayout:
+def layout_for(shape: torch.Size | tuple, four_bit: FourBit) -> ExpertLayout:
     """The layout of one expert of a ``[experts, rows, columns]`` parameter; refused when blocks would straddle
     experts (a row not a whole number of 64-value blocks)."""
     _, rows, columns = shape
     if (rows * columns) % BLOCK:
         raise ValueError(f"an expert of {rows} x {columns} values is not a whole number of {BLOCK}-value blocks")
-    return ExpertLayout(rows, columns, quant_type, double_quant, storage)
+    return ExpertLayout(rows, columns, four_bit.quant_type, four_bit.double_quant, four_bit.storage)
 
 
 def quantize_expert_rows(weight: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -180,14 +181,7 @@ class QuantizedMoeBlock:
     parameters: list[QuantizedExpertParameter]
 
 
-def quantize_experts(
-    model: torch.nn.Module,
-    quant_type: str,
-    double_quant: bool,
-    storage: torch.dtype,
-    compute: torch.dtype,
-    device: torch.device,
-) -> list[QuantizedMoeBlock]:
+def quantize_experts(model: torch.nn.Module, four_bit: FourBit, device: torch.device) -> list[QuantizedMoeBlock]:
     """Replace every expert parameter of ``model`` (3D, in a module called ``experts``) by its 4-bit rows (empty, on
     meta, for a weightless skeleton: the weights are quantized as they load, `fsdp_peft.model.loading`). Its name holds
     a weightless placeholder Parameter on ``device``, for peft to size its adapters by; `dequantize_in_forward` then
@@ -201,15 +195,17 @@ def quantize_experts(
         for name, parameter in list(experts.named_parameters(recurse=False)):
             if parameter.ndim != 3:
                 continue
-            layout = layout_for(parameter.shape, quant_type, double_quant, storage)
+            layout = layout_for(parameter.shape, four_bit)
             if parameter.is_meta:
-                width = layout.row_bytes // storage.itemsize
-                rows = torch.empty(parameter.shape[0], width, dtype=storage, device="meta")
+                width = layout.row_bytes // layout.storage.itemsize
+                rows = torch.empty(parameter.shape[0], width, dtype=layout.storage, device="meta")
             else:
                 rows = quantize_expert_rows(parameter.detach(), layout)
             del experts._parameters[name]
             experts.register_parameter(name + SUFFIX, torch.nn.Parameter(rows, requires_grad=False))
-            entry = QuantizedExpertParameter(experts, name, layout, compute, parameter.shape[0], parameter.dtype)
+            entry = QuantizedExpertParameter(
+                experts, name, layout, four_bit.compute, parameter.shape[0], parameter.dtype
+            )
             experts.register_parameter(name, torch.nn.Parameter(entry.placeholder(device), requires_grad=False))
             entries.append(entry)
         if entries:

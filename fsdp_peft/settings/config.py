@@ -29,6 +29,7 @@ from fsdp_peft.settings.catalog import shipped_config
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
 from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.settings.families import AUTO_TARGETS
+from fsdp_peft.settings.four_bit import DEFAULTS as FOUR_BIT
 from fsdp_peft.settings.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.settings.keys import field_types, plain_value, type_problems
 
@@ -50,11 +51,15 @@ class RecipeArguments:
     )
     torch_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of the unquantized weights: {DTYPES}"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits with bitsandbytes"})
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "nf4 or fp4"})
-    bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "quantize the quantization constants"})
-    bnb_4bit_compute_dtype: str = field(default="bfloat16", metadata={"help": f"dtype of 4-bit matmuls: {DTYPES}"})
+    bnb_4bit_quant_type: str = field(default=FOUR_BIT.quant_type, metadata={"help": "nf4 or fp4"})
+    bnb_4bit_use_double_quant: bool = field(
+        default=FOUR_BIT.double_quant, metadata={"help": "quantize the quantization constants"}
+    )
+    bnb_4bit_compute_dtype: str = field(
+        default=FOUR_BIT.compute_dtype, metadata={"help": f"dtype of 4-bit matmuls: {DTYPES}"}
+    )
     bnb_4bit_quant_storage: str = field(
-        default="bfloat16",
+        default=FOUR_BIT.storage_dtype,
         metadata={"help": "dtype the packed 4-bit weights are stored in; must be FSDP's gather dtype"},
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})

@@ -22,6 +22,7 @@ from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrate
 from transformers.training_args import OptimizerNames
 
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
+from fsdp_peft.settings.four_bit import QUANT_TYPES, STORAGE_DTYPES
 
 SKIPPED_TYPE_CHECK = (
     "fsdp",
@@ -39,8 +40,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hub_strategy": tuple(e.value for e in HubStrategy),
     "log_level": LOG_LEVELS,
     "log_level_replica": LOG_LEVELS,
-    "bnb_4bit_quant_type": ("nf4", "fp4"),
-    "bnb_4bit_quant_storage": ("bfloat16", "float16", "float32", "uint8", "int8"),
+    "bnb_4bit_quant_type": QUANT_TYPES,
+    "bnb_4bit_quant_storage": STORAGE_DTYPES,
 }
 
 

@@ -68,6 +68,7 @@ from fsdp_peft.model.new_tokens import grown_layout, read_new_tokens, write_grow
 from fsdp_peft.model.paths import checkpoint_quantization
 from fsdp_peft.model.vision import auto_model_class_name
 from fsdp_peft.settings.families import FAMILIES, family_for
+from fsdp_peft.settings.four_bit import BLOCKSIZE, FourBit
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # by short name (dtypes.py)
 WRITER_LOCK = ".fsdp_peft_writer.lock"
@@ -213,21 +214,17 @@ def nf4_round_trip(weight: torch.Tensor, recipe: dict) -> torch.Tensor:
     import bitsandbytes.functional as bnb_functional  # lazy: only --base-variant nf4 needs it (seconds to import)
 
     load_dtype = getattr(torch, recipe.get("torch_dtype", "bfloat16"))
-    storage = getattr(torch, recipe.get("bnb_4bit_quant_storage", "bfloat16"))
+    four_bit = FourBit.saved(recipe)
     if weight.dim() == 3:
-        double_quant, quant_type = (
-            recipe.get("bnb_4bit_use_double_quant", True),
-            recipe.get("bnb_4bit_quant_type", "nf4"),
-        )
-        layout = layout_for(weight.shape, quant_type, double_quant, storage)
+        layout = layout_for(weight.shape, four_bit)
         rows = quantize_expert_rows(weight.to(load_dtype).contiguous(), layout)
         return dequantize_expert_rows(rows, layout, torch.float32)
     packed, state = bnb_functional.quantize_4bit(
         weight.to(load_dtype).contiguous(),
-        blocksize=64,
-        compress_statistics=recipe.get("bnb_4bit_use_double_quant", True),
-        quant_type=recipe.get("bnb_4bit_quant_type", "nf4"),
-        quant_storage=storage,
+        blocksize=BLOCKSIZE,
+        compress_statistics=four_bit.double_quant,
+        quant_type=four_bit.quant_type,
+        quant_storage=four_bit.storage,
     )
     return bnb_functional.dequantize_4bit(packed, state).to(torch.float32)
 

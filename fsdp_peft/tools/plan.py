@@ -56,6 +56,7 @@ from fsdp_peft.settings.checkpointing import (
 )
 from fsdp_peft.settings.config import PREFERENCE, RL, SFT, procedure_of_config, resolve_recipe_config
 from fsdp_peft.settings.families import family_of_model
+from fsdp_peft.settings.four_bit import BLOCKSIZE, NESTED_BLOCKSIZE, FourBit
 from fsdp_peft.settings.fsdp_settings import asks_for_xla, fsdp_settings, mixed_precision_dtype, trainer_fsdp_arguments
 from fsdp_peft.tools.validation import check_keys
 
@@ -65,8 +66,6 @@ GIB = 2**30
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/test_plan.py checks them against the installed TRL).
 TRL_TOKEN_TILE = 4096
 TRL_VOCAB_TILE = 32768
-QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 values
-NESTED_BLOCK = 256  # double quantization: one fp32 absmax per 256 first-level constants
 CUDA_CONTEXT_BYTES = GIB  # estimate: CUDA context, cuBLAS workspaces, allocator slack (not in torch's count)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_LIKE = ("adamw", "adam", "lamb", "adan", "ademamix")
@@ -178,23 +177,21 @@ def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
     return (math.ceil((numel + 1) // 2 / storage_bytes), 1)
 
 
-def expert_rows_shape(parameter, recipe, storage_bytes: int) -> tuple[int, ...]:
+def expert_rows_shape(parameter, four_bit: FourBit | None) -> tuple[int, ...]:
     """How an expert parameter ``[experts, out, in]`` is stored: as is, or (QLoRA) as one row of 4-bit bytes and
     quantization constants per expert (`fsdp_peft.model.moe_quantization.ExpertLayout`)."""
-    if not recipe.load_in_4bit:
+    if four_bit is None:
         return tuple(parameter.shape)
-    storage = getattr(torch, recipe.bnb_4bit_quant_storage)
-    layout = layout_for(parameter.shape, recipe.bnb_4bit_quant_type, recipe.bnb_4bit_use_double_quant, storage)
-    return (parameter.shape[0], layout.row_bytes // storage_bytes)
+    return (parameter.shape[0], layout_for(parameter.shape, four_bit).row_bytes // four_bit.storage.itemsize)
 
 
-def estimated_quantization_constant_bytes(numel: int, double_quant: bool, quant_type: str) -> int:
+def estimated_quantization_constant_bytes(numel: int, four_bit: FourBit) -> int:
     """bitsandbytes ``quant_state`` of one 4-bit weight: absmax per block (+ nested constants), code, offset."""
-    blocks = math.ceil(numel / QUANT_BLOCK)
-    code = 16 * 4 if quant_type in ("nf4", "fp4") else 0
-    if not double_quant:
+    blocks = math.ceil(numel / BLOCKSIZE)
+    code = 16 * 4  # the 16 values of the nf4 or fp4 code, in fp32
+    if not four_bit.double_quant:
         return blocks * 4 + code
-    nested_blocks = math.ceil(blocks / NESTED_BLOCK)
+    nested_blocks = math.ceil(blocks / NESTED_BLOCKSIZE)
     return blocks + nested_blocks * 4 + code + 256 * 4 + 4  # uint8 absmax, fp32 nested absmax, nested code, offset
 
 
@@ -247,7 +244,8 @@ def count_model(
     """Per-rank bytes of every parameter of ``peft_model`` (meta), as the recipe would store them: FSDP2 splits
     each tensor's dim 0 (`shard_numel`), FSDP1 each unit's flat parameter evenly (`fsdp1_flat_parameters`)."""
     base_bytes, adapter_bytes = storage_dtype_bytes(recipe, mixed_precision)
-    storage_bytes = DTYPE_BYTES.get(recipe.bnb_4bit_quant_storage, 1)
+    four_bit = FourBit.of(recipe)
+    storage_bytes = four_bit.storage.itemsize if four_bit else 1
     inner = peft_model.get_base_model()
     head = inner.get_output_embeddings()
     head_weight = stored_weight(head)
@@ -264,17 +262,17 @@ def count_model(
             linear.add(id(module.weight))
             counts.largest_linear_numel = max(counts.largest_linear_numel, module.weight.numel())
             counts.linear_weight_bytes += shard_numel(tuple(module.weight.shape), world_size) * base_bytes
-    quantized = linear if recipe.load_in_4bit else set()
+    quantized = linear if four_bit else set()
     # a mixture of experts' 3D expert weights; QLoRA stores them as rows of 4-bit bytes
     # (fsdp_peft.model.moe_quantization)
     experts = {id(p): p for n, p in peft_model.named_parameters() if p.ndim == 3 and f".{EXPERTS_MODULE}." in n}
-    stored_shape = {key: expert_rows_shape(p, recipe, storage_bytes) for key, p in experts.items()}
+    stored_shape = {key: expert_rows_shape(p, four_bit) for key, p in experts.items()}
     for parameter in peft_model.parameters():
         if id(parameter) in experts:
             counts.base_parameters += parameter.numel()
             counts.largest_expert_numel = max(counts.largest_expert_numel, parameter.numel())
             counts.expert_parameters += parameter.numel()
-            element = storage_bytes if recipe.load_in_4bit else base_bytes
+            element = storage_bytes if four_bit else base_bytes
             counts.expert_bytes += shard_numel(stored_shape[id(parameter)], world_size) * element
             counts.base_bytes += shard_numel(stored_shape[id(parameter)], world_size) * element
         elif parameter.requires_grad:
@@ -285,9 +283,7 @@ def count_model(
             counts.base_parameters += parameter.numel()
             shape = packed_4bit_shape(parameter.numel(), storage_bytes)
             counts.base_bytes += shard_numel(shape, world_size) * storage_bytes
-            counts.quantization_constant_bytes += estimated_quantization_constant_bytes(
-                parameter.numel(), recipe.bnb_4bit_use_double_quant, recipe.bnb_4bit_quant_type
-            )
+            counts.quantization_constant_bytes += estimated_quantization_constant_bytes(parameter.numel(), four_bit)
         else:
             counts.base_parameters += parameter.numel()
             counts.base_bytes += shard_numel(tuple(parameter.shape), world_size) * base_bytes
@@ -610,9 +606,9 @@ def plan_recipe(
     gathered = 0
     if shard_over > 1:  # current unit + the prefetched one, and the biggest non-layer unit (head / embeddings)
         gathered = 2 * counts.layer_gathered_bytes + counts.largest_other_unit_gathered_bytes
-    if recipe.load_in_4bit:  # one weight dequantized for its matmul (a MoE's: every expert of one parameter)
+    if four_bit := FourBit.of(recipe):  # one weight dequantized for its matmul (a MoE's: every expert of one parameter)
         largest = max(counts.largest_linear_numel, counts.largest_expert_numel)
-        gathered += largest * DTYPE_BYTES[recipe.bnb_4bit_compute_dtype]
+        gathered += largest * four_bit.compute.itemsize
     plan.gpu["gathered units at peak (est.)"] = gathered
     # XLA: the model's own loss (fsdp_peft.model.loss)
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens
