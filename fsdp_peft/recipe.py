@@ -3,13 +3,12 @@
 parse config → claim output_dir → tokenizer → the procedure's data (every row checked, before any weights load)
 → model and adapters → the procedure's trainer → its score before training (on the sharded model) → train →
 `fsdp_peft.procedures.ending.end_run`: save adapter → the procedure's results after training → evaluate → export →
-report
-(summary, ``results.json``, loss curve). A start that fails before the first optimizer step leaves
+report (summary, ``results.json``, loss curve). A start that fails before the first optimizer step leaves
 ``output_dir`` as it found it (`fsdp_peft.tools.runs`).
-The procedures are siblings this skeleton calls: SFT (`fsdp_peft.procedures.sft`, the default), preference
-(`fsdp_peft.procedures.preference`: DPO, KTO), GRPO (`fsdp_peft.procedures.rl`). The SFT recipes differ only in their
-default config
-(``configs/<recipe>/tiny.yaml``); model families differ only in their entry in `fsdp_peft.settings.families`.
+The procedures are siblings this skeleton calls: SFT (`fsdp_peft.procedures.sft`, the default), vision-language SFT
+(`fsdp_peft.procedures.vision_sft`, the VLM recipes), preference (`fsdp_peft.procedures.preference`: DPO, KTO), GRPO
+(`fsdp_peft.procedures.rl`). The SFT recipes differ only in their default config (``configs/<recipe>/tiny.yaml``);
+model families differ only in their entry in `fsdp_peft.settings.families`.
 """
 
 from __future__ import annotations

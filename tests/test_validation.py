@@ -726,3 +726,24 @@ def test_an_unknown_key_and_an_unreadable_value_are_listed_with_every_other_prob
         f"output_dir: '{tmp_path / 'a_file'}' is a file, not a directory; point output_dir at a new or existing "
         "directory",
     ], lines
+
+
+@pytest.mark.parametrize(
+    "config_name, trainer_module",
+    [("DPOConfig", "dpo_trainer"), ("KTOConfig", "kto_trainer"), ("GRPOConfig", "grpo_trainer")],
+)
+def test_the_loss_types_read_from_trls_declarations_are_the_ones_its_trainer_computes(config_name, trainer_module):
+    """`trl_loss_types` reads a config's declared values (help or docstring); the reference is the installed trainer's
+    own source: every ``loss_type == "x"`` branch and ``loss_type in [...]`` list of its loss."""
+    import importlib
+    import inspect
+    import re
+
+    from fsdp_peft.tools.validation import trl_loss_types
+
+    source = inspect.getsource(importlib.import_module(f"trl.trainer.{trainer_module}"))
+    computed = set(re.findall(r'loss_type == "(\w+)"', source))
+    for listed in re.findall(r"loss_type (?:not )?in [\[\(\{]([^\]\)\}]*)[\]\)\}]", source):
+        computed |= set(re.findall(r'"(\w+)"', listed))
+    declared = trl_loss_types(config_name)
+    assert len(declared) == len(set(declared)) >= 2 and set(declared) == computed

@@ -593,7 +593,7 @@ def loss_counts_every_ranks_tokens(trainer, vision: bool) -> None:
     Why: transformers 5.24's Qwen2.5-VL sets ``accepts_loss_kwargs = False`` although its forward hands ``**kwargs``
     on to ``self.loss_function``; Trainer then passes no ``num_items_in_batch``, each rank divides by its own
     labelled tokens, and 2 ranks whose rows differ in answer length train other gradients than one process on the
-    same rows (measured: 6.7e-4 relative loss difference at the first step after rows of unequal length).
+    same rows when the rows' answer lengths differ (docs/compat.md#the-measurements).
     Remove when: the class no longer sets the attribute to False.
     """
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -614,8 +614,8 @@ def fsdp1_adapter_checkpoints(trainable_names: list[str], adapter: str):
       names; FSDP1's wrappers change those names, so none were found and none saved. Here they are selected by
       their unwrapped names and stored under peft's keys (adapter name dropped), the keys FSDP2 checkpoints have.
     - accelerate loads FSDP1 optimizer state into a template made from the optimizer's current state, which is
-      empty before the first step, so nothing was restored and Adam restarted from zero (measured: resumed loss
-      5.0724 against 5.0229). Here the template comes from the checkpoint's own metadata.
+      empty before the first step, so nothing was restored and Adam restarted from zero
+      (docs/compat.md#the-measurements). Here the template comes from the checkpoint's own metadata.
     Remove when: accelerate selects FSDP1 adapter tensors by unwrapped names and loads optimizer state from
     the checkpoint's metadata.
     """
@@ -754,8 +754,8 @@ def originals_released_while_sharding():
 
     Why: accelerate takes ``model.state_dict()`` before sharding and holds it until it returns, though only its
     low-memory branch (``cpu_ram_efficient_loading`` without 4-bit weights) reads it: every unsharded weight stays
-    allocated beside the new shards, so each rank peaks at its whole model plus its shards (one H200, 2026-12-04:
-    twice the weights on one rank). The state dict is empty here unless that branch will read it.
+    allocated beside the new shards, so each rank peaks at its whole model plus its shards
+    (docs/compat.md#the-measurements). The state dict is empty here unless that branch will read it.
     Remove when: accelerate takes the state dict in its low-memory branch only.
     """
 
@@ -785,9 +785,8 @@ def dora_lora_weight_without_graph(model: torch.nn.Module) -> int:
     Why: DoRA's forward computes ``B @ A`` by calling the ``lora_A``/``lora_B`` modules on an identity matrix,
     only to take the weight norm of ``W + scale * B @ A`` detached. Under FSDP1 those modules are units of their
     own, so each is run twice per forward with autograd on; with bf16/fp16 mixed precision FSDP1 then hands
-    AdamW unreduced, full-size low-precision gradients (measured: ``expected dtype float for `end` but got
-    BFloat16``; cast, ``size 2048 vs 4096``). Without autograd the second call builds no graph and registers no
-    backward hooks; every value is the same (the result is used detached).
+    AdamW unreduced, full-size low-precision gradients (docs/compat.md#the-measurements). Without autograd the second
+    call builds no graph and registers no backward hooks; every value is the same (the result is used detached).
     Upstream: peft 0.21 ``DoraLinearLayer.get_lora_weight`` / ``forward`` (``lora_weight.detach()``).
     Remove when: peft computes DoRA's detached LoRA weight without autograd.
     """
@@ -892,7 +891,7 @@ def cpu_weight_repacking_disabled(model: torch.nn.Module) -> int:
 
     Why: on CPU, ``Linear4bit.forward`` in eval mode repacks ``weight.data`` in place for its AVX512-BF16
     kernel and flags the shared ``quant_state``. Under FSDP that hits the unsharded copy and every later
-    forward is wrong (measured: the loss of one batch moved 5.570147 -> 5.559027 after one eval forward).
+    forward is wrong (docs/compat.md#the-measurements).
     GPU runs never take this path. `UPSTREAM` checks that ``forward`` still reads the switch.
     Remove when: bitsandbytes repacks into a copy, not in place.
     """
@@ -1042,7 +1041,7 @@ def fsdp2_accumulation_skips_ungathered_parameters() -> None:
     ``FSDPParam`` never gets an ``_unsharded_param``. On a micro-step without gradient sync (gradient
     accumulation) with a reduce dtype set (bf16 mixed precision: QLoRA), torch's final post-backward callback
     converts every unit's unsharded gradient to the reduce dtype and fails with "'FSDPParam' object has no
-    attribute '_unsharded_param'" (measured: DPO, QLoRA, gradient_accumulation_steps 2, FSDP2 on 2 ranks). A
+    attribute '_unsharded_param'" (docs/compat.md#the-measurements). A
     parameter that was never gathered has no unsharded gradient to convert (the frozen head has none at all).
     Remove when: torch skips parameters that were never unsharded there.
     """
@@ -1131,10 +1130,11 @@ def bitsandbytes_compiling_module_spec(name: str, path, target=None):
 
     Why: bitsandbytes 0.50 wraps four default-backend kernels in ``torch.compile`` at import time
     (``_try_torch_compile``), which loads dynamo's tracer and inductor in every process that imports peft, even
-    when those kernels never run (on GPUs the CUDA backend serves them): measured 1.6 s of each rank's 9.7 s
-    of imports here. Compiling on the first call is what ``torch.compile`` does anyway, and bitsandbytes'
-    wrapper still falls back to the eager kernel if that compile fails. The CPU backend's module is wrapped too,
-    so that `cpu_4bit_dequantization_block_aligned` replaces its 4-bit dequantization as soon as it is registered.
+    when those kernels never run (on GPUs the CUDA backend serves them): a sixth of a rank's imports on CPU
+    (docs/compat.md#the-measurements). Compiling on the first call is what ``torch.compile`` does anyway, and
+    bitsandbytes' wrapper still falls back to the eager kernel if that compile fails. The CPU backend's module is
+    wrapped too, so that `cpu_4bit_dequantization_block_aligned` replaces its 4-bit dequantization as soon as it is
+    registered.
     Remove when: bitsandbytes compiles its default kernels lazily (and the CPU patch is gone).
     """
     around = BITSANDBYTES_IMPORTS.get(name)
@@ -1180,8 +1180,8 @@ def cpu_4bit_dequantization_block_aligned() -> None:
     Why: bitsandbytes 0.50's CPU kernel assigns block scales wrongly when a row of the asked shape does not start on a
     block boundary and its length is a multiple of 16 (``[128, 96]``, ``[8, 128, 96]``, ``[64, 32]`` in blocks of 64;
     one row, or one block in all, is right): every ``Linear4bit`` with such an input width and every 4-bit expert of
-    such a width computed with wrong weights on CPU (measured: relative error 0.264 against the bf16 weights where a
-    right NF4 round trip gives 0.093). The values and their scales are right; only their pairing is not. Rows that
+    such a width computed with wrong weights on CPU, nearly three times a right NF4 round trip's error
+    (docs/compat.md#the-measurements). The values and their scales are right; only their pairing is not. Rows that
     are whole blocks are the case the kernel gets right, at the shaped call's speed (a single row would run on one
     thread). ``Linear4bit``'s forward and backward, bitsandbytes' no-grad ``gemm_4bit`` and ``dequantize_4bit`` all
     reach the kernel through the op, so all of them are fixed.

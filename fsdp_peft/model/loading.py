@@ -11,9 +11,8 @@ constants, code, shape, dtype, blocksize: small) is broadcast whole and attached
 bitsandbytes does when it quantizes.
 
 Why not accelerate's own path: transformers 5.24 reads the checkpoint on every rank even under
-``FSDP_CPU_RAM_EFFICIENT_LOADING`` (measured), accelerate keeps rank 0's full state dict alive while it
-broadcasts, and it skips the path entirely when bitsandbytes ``Params4bit`` are present.
-"""
+``FSDP_CPU_RAM_EFFICIENT_LOADING`` (docs/compat.md#elsewhere-in-the-package), accelerate keeps rank 0's full state dict
+alive while it broadcasts, and it skips the path entirely when bitsandbytes ``Params4bit`` are present."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from fsdp_peft.procedures.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 from fsdp_peft.settings.config import PREFERENCE, RecipeArguments
 from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 from fsdp_peft.tools.runs import PREFERENCE_DATA_DIR
-from fsdp_peft.tools.validation import KTO_LOSS_TYPES
+from fsdp_peft.tools.validation import trl_loss_types
 
 
 class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):
@@ -40,7 +40,7 @@ class UnpairedPreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, KTOTrainer)
 
 def is_unpaired(recipe: RecipeArguments) -> bool:
     """KTO's losses train on rated completions, not pairs."""
-    return recipe.loss_type in KTO_LOSS_TYPES
+    return recipe.loss_type in trl_loss_types("KTOConfig")
 
 
 def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:

@@ -1,9 +1,10 @@
-"""What a fine-tuning procedure is: the parts that differ between SFT, preference (DPO/KTO) and GRPO.
+"""What a fine-tuning procedure is: the parts that differ between SFT, vision-language SFT, preference (DPO/KTO)
+and GRPO.
 
 The skeleton that runs every procedure is `fsdp_peft.recipe.run_recipe`; a procedure is a `Procedure` value
-(`fsdp_peft.procedures.sft.SFT_PROCEDURE`, `fsdp_peft.procedures.preference.PREFERENCE_PROCEDURE`,
-`fsdp_peft.procedures.rl.GRPO_PROCEDURE`),
-one module each, none importing another. The skeleton calls the parts in this order:
+(`fsdp_peft.procedures.sft.SFT_PROCEDURE`, `fsdp_peft.procedures.vision_sft.VISION_SFT_PROCEDURE`,
+`fsdp_peft.procedures.preference.PREFERENCE_PROCEDURE`, `fsdp_peft.procedures.rl.GRPO_PROCEDURE`), one module each,
+none importing another. The skeleton calls the parts in this order:
 
 ``arguments`` (TRL's config class, when the procedure trains through TRL) → ``load_data`` (every row checked,
 before any weights load) → the model → ``trainer`` → ``before`` (on the prepared, sharded model, at the first

@@ -267,7 +267,9 @@ class RecipeArguments:
         self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
 
 
-SFT, PREFERENCE, RL = "sft", "preference", "rl"  # the procedures: fsdp_peft.recipe, .preference, .rl
+# the rules' names of the procedures: SFT (fsdp_peft.procedures.sft, and vision_sft whose rules are SFT's),
+# preference (.preference), RL (.rl)
+SFT, PREFERENCE, RL = "sft", "preference", "rl"
 PREFERENCE_KEYS = ("precompute_ref_log_probs", "ref_model")  # with beta and loss_type: a config that sets one is DPO's
 RL_KEYS = (  # a config that sets one is GRPO's
     "reward_funcs",

@@ -24,11 +24,8 @@ from transformers.training_args import OptimizerNames
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
 from fsdp_peft.settings.four_bit import QUANT_TYPES, STORAGE_DTYPES
 
-SKIPPED_TYPE_CHECK = (
-    "fsdp",
-    "fsdp_config",
-    "parallelism_config",
-)  # `fsdp_peft.settings.fsdp_settings` reads the FSDP keys
+# `fsdp_peft.settings.fsdp_settings` reads the FSDP keys
+SKIPPED_TYPE_CHECK = ("fsdp", "fsdp_config", "parallelism_config")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
 CHOICES: dict[str, tuple[str, ...]] = {

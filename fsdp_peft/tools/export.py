@@ -381,7 +381,7 @@ def export_merged(
         layout = grown_layout(output_layout(files, out_dtype), read_new_tokens(adapter.origin))
         writer = StreamingShardWriter(staging, layout, max_bytes)
         # Writes overlap with the next tensor's read and merge, which runs on one torch thread: it is memory-bound,
-        # and a second would spin for work (measured: user CPU 8.9 s with 2 threads, 5.1 s with 1, wall no slower).
+        # and a second would spin for work (docs/compat.md#elsewhere-in-the-package).
         with behind(writer.write) as write, torch_threads(1):
             for key, tensor in merged_tensors(files, adapter, updates, base_variant, out_dtype, progress, loaded):
                 write(key, tensor)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -541,32 +543,39 @@ def _parallelism_config_fills_the_launch(context: RuleContext) -> str | None:
     return None
 
 
-DPO_LOSS_TYPES = (  # trl 1.16 DPOConfig.loss_type
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
+@functools.cache
+def trl_loss_types(config_name: str) -> tuple[str, ...]:
+    """The ``loss_type`` values the installed TRL's ``config_name`` (``DPOConfig``, ``KTOConfig``, ``GRPOConfig``)
+    declares: the quoted names of its field's help ("Possible values are ..."), else the items its class docstring
+    lists under ``loss_type`` (KTO's). Read from TRL, not copied from one release; a release that words them another
+    way fails loudly here rather than refusing every loss."""
+    import trl  # lazy: TRL takes seconds to import, and only the preference and GRPO recipes' rules read it
+
+    config = getattr(trl, config_name)
+    help_text = next(f for f in dataclasses.fields(config) if f.name == "loss_type").metadata.get("help", "")
+    listed = re.search(r"values are:?(.*?)\.(?:\s|$)", help_text, re.S)
+    values = re.findall(r"'(\w+)'", listed[1]) if listed else []
+    if not values:
+        doc = config.__doc__ or ""
+        entry = doc[doc.find("loss_type (") :] if "loss_type (" in doc else ""
+        values = re.findall(r'- `"(\w+)"`', re.split(r"\n\s*\n\s*\w+ \(`", entry, maxsplit=1)[0])
+    if not values:
+        raise RuntimeError(
+            f"trl {trl.__version__}: the values of {config_name}.loss_type are neither in its help nor in its "
+            "docstring's list; fsdp_peft.tools.validation.trl_loss_types must learn where this release keeps them"
+        )
+    return tuple(dict.fromkeys(values))
 
 
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # trl 1.16 KTOConfig.loss_type: unpaired rows
+def preference_loss_types() -> tuple[str, ...]:
+    """DPO's losses, then KTO's (which train on rated completions, not pairs)."""
+    return trl_loss_types("DPOConfig") + trl_loss_types("KTOConfig")
 
 
 def _preference_loss_is_known(context: RuleContext) -> str | None:
     recipe = context.recipe
-    if recipe.loss_type is not None and recipe.loss_type not in DPO_LOSS_TYPES + KTO_LOSS_TYPES:
-        return unknown_choice("loss_type", recipe.loss_type, DPO_LOSS_TYPES + KTO_LOSS_TYPES)
+    if recipe.loss_type is not None and recipe.loss_type not in preference_loss_types():
+        return unknown_choice("loss_type", recipe.loss_type, preference_loss_types())
     return None
 
 
@@ -577,14 +586,13 @@ def _preference_beta_is_positive(context: RuleContext) -> str | None:
     return None
 
 
-GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # trl 1.16 GRPOConfig
 SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _rl_loss_is_known(context: RuleContext) -> str | None:
     recipe = context.recipe
-    if recipe.loss_type is not None and recipe.loss_type not in GRPO_LOSS_TYPES:
-        return unknown_choice("loss_type", recipe.loss_type, GRPO_LOSS_TYPES)
+    if recipe.loss_type is not None and recipe.loss_type not in trl_loss_types("GRPOConfig"):
+        return unknown_choice("loss_type", recipe.loss_type, trl_loss_types("GRPOConfig"))
     if recipe.scale_rewards not in SCALE_REWARDS:
         return unknown_choice("scale_rewards", recipe.scale_rewards, SCALE_REWARDS)
     return None
