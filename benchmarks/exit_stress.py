@@ -12,9 +12,8 @@ KTO, trust-remote-code, generation, export) several times, each as a user launch
 Each launch runs in a directory of its own with core dumps enabled (a ``core`` file there names the rank
 that aborted; ``gdb python core`` shows its threads). Figures: ``benchmarks/results/exit_stress.json``.
 Each rank also names process-group threads that outlive its process group (they are what the aborts came
-from: `fsdp_peft.core._compat.process_groups_released`); those count as failures too. Exits 1 when any launch
-failed, printed an abort, or left such threads.
-"""
+from: `fsdp_peft.core._compat.torch_patches.process_groups_released`); those count as failures too. Exits 1 when any
+launch failed, printed an abort, or left such threads."""
 
 from __future__ import annotations
 

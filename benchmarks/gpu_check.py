@@ -578,7 +578,7 @@ def linear4bit_cases(device) -> dict:
     import torch
     from four_bit_reference import decode, relative_error
 
-    from fsdp_peft.core._compat import cpu_weight_repacking_disabled
+    from fsdp_peft.core._compat.bitsandbytes_patches import cpu_weight_repacking_disabled
 
     cases = []
     for compute, in_features in itertools.product((torch.float32, torch.bfloat16), (96, 128, 200, 4096)):

@@ -23,7 +23,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from fsdp_peft.core._compat import check_upstream
+from fsdp_peft.core._compat.gate import check_upstream
 from fsdp_peft.core.distributed import ranks, release_process_group
 from fsdp_peft.core.errors import exits_cleanly_on_user_error
 from fsdp_peft.core.log import configure_for_training, logger

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import REPO, last_json_line, run_command, torchrun
-from fsdp_peft.core import _compat
-from fsdp_peft.core._compat import (
+from fsdp_peft.core._compat import bitsandbytes_patches, gate, peft_patches, registry
+from fsdp_peft.core._compat.registry import (
     PATCHES,
     TRL_VERIFIED,
     UPSTREAM,
@@ -68,18 +68,18 @@ def test_the_pinned_releases_are_the_verified_windows_one_source_of_truth():
     for package, (lowest, unverified) in {**VERIFIED, **TRL_VERIFIED}.items():
         low, high = _pinned_window(main[package])
         assert low == lowest and high in (unverified, None), (package, main[package])
-    for package, (lowest, _) in {**VERIFIED, **_compat.VERIFIED_WITH_TORCH_XLA}.items():
+    for package, (lowest, _) in {**VERIFIED, **registry.VERIFIED_WITH_TORCH_XLA}.items():
         if package in tpu and not (package == "torch" and "torch_xla" in tpu):
             assert _pinned_window(tpu[package])[0] == lowest, (package, tpu[package])
-    assert _pinned_window(tpu["torch"])[0] == _compat.VERIFIED_WITH_TORCH_XLA["torch"][0]
-    assert _pinned_window(tpu["torch_xla"])[0] == _compat.VERIFIED_WITH_TORCH_XLA["torch_xla"][0]
+    assert _pinned_window(tpu["torch"])[0] == registry.VERIFIED_WITH_TORCH_XLA["torch"][0]
+    assert _pinned_window(tpu["torch_xla"])[0] == registry.VERIFIED_WITH_TORCH_XLA["torch_xla"][0]
     assert all(p.verified is None and p.window == {**VERIFIED, **TRL_VERIFIED}[p.package] for p in PATCHES)
     paths = [entry.path for entry in UPSTREAM]
     assert len(paths) == len(set(paths)), sorted(p for p in paths if paths.count(p) > 1)
 
 
 def test_trls_symbols_and_release_are_checked_where_trl_is_imported_and_cost_sft_nothing():
-    check = "import sys, fsdp_peft.core._compat as c; {}c.check_upstream(); print('trl' in sys.modules)"
+    check = "import sys, fsdp_peft.core._compat.gate as c; {}c.check_upstream(); print('trl' in sys.modules)"
     sft = subprocess.run([sys.executable, "-c", check.format("")], capture_output=True, text=True, cwd=REPO)
     assert sft.returncode == 0 and sft.stdout.split()[0] == "False", sft.stderr[-2000:]
     renamed = "import trl.trainer.grpo_trainer as g; del g.GRPOTrainer._tokenize_prompts; "
@@ -88,13 +88,17 @@ def test_trls_symbols_and_release_are_checked_where_trl_is_imported_and_cost_sft
 
 
 def test_every_patch_function_says_what_it_replaces_why_and_when_to_remove_it():
-    documented = [  # found, not listed: every function of the module whose docstring says when to remove it
+    documented = [  # found, not listed: every function of a patch module whose docstring says when to remove it
         value
-        for value in vars(_compat).values()
+        for module in gate.PATCH_MODULES
+        for value in vars(module).values()
         if callable(value)
-        and getattr(value, "__module__", "") == _compat.__name__
+        and getattr(value, "__module__", "") == module.__name__
         and "Remove when" in (inspect.getdoc(value) or "")
     ]
+    assert {module.__name__.rpartition(".")[2] for module in gate.PATCH_MODULES} == {
+        path.stem for path in (REPO / "fsdp_peft" / "core" / "_compat").glob("*_patches.py")
+    }
     assert sorted(p.function.__name__ for p in PATCHES) == sorted(f.__name__ for f in documented)
     for patch in PATCHES:
         doc = inspect.getdoc(patch.function)
@@ -115,25 +119,26 @@ def test_upstream_still_needs_the_patch(patch):
 
 def test_a_release_outside_a_patch_window_stops_start_up_in_one_line(monkeypatch):
     patch = next(p for p in PATCHES if p.package == "peft")
-    narrowed = _compat.Patch(patch.function, patch.package, ("0.1.0", "0.2"))
+    narrowed = registry.Patch(patch.function, patch.package, ("0.1.0", "0.2"))
     problem = narrowed.window_problem()
     assert problem.startswith(f"peft {importlib.metadata.version('peft')} is outside the versions ")
-    assert f"fsdp_peft.core._compat.{patch.function.__name__} was verified with (0.1.0 to below 0.2)" in problem
-    monkeypatch.setattr(_compat, "PATCHES", [narrowed])
+    assert f"{patch.function.__module__}.{patch.function.__name__} was verified with (0.1.0 to below 0.2)" in problem
+    assert patch.function.__module__ == "fsdp_peft.core._compat.peft_patches"
+    monkeypatch.setattr(gate, "PATCHES", [narrowed])
     # the window alone: the installed releases and upstream's symbols have tests of their own (and .ci/run's
     # newest-releases report runs this one where the releases are outside fsdp-peft's windows)
-    monkeypatch.setattr(_compat, "version_problem", lambda package: None)
-    monkeypatch.setattr(_compat, "UPSTREAM", ())
-    monkeypatch.delenv(_compat.UNVERIFIED_VARIABLE, raising=False)  # .ci/run's newest-releases report sets it
-    _compat._checked.cache_clear()
+    monkeypatch.setattr(gate, "version_problem", lambda package: None)
+    monkeypatch.setattr(gate, "UPSTREAM", ())
+    monkeypatch.delenv(registry.UNVERIFIED_VARIABLE, raising=False)  # .ci/run's newest-releases report sets it
+    gate._checked.cache_clear()
     try:
         with pytest.raises(CompatError, match="is outside the versions fsdp_peft.core._compat."):
-            _compat.check_upstream()
-        monkeypatch.setenv(_compat.UNVERIFIED_VARIABLE, "1")
-        _compat._checked.cache_clear()
-        _compat.check_upstream()  # FSDP_PEFT_UNVERIFIED=1 lifts the windows as it lifts the version gate
+            gate.check_upstream()
+        monkeypatch.setenv(registry.UNVERIFIED_VARIABLE, "1")
+        gate._checked.cache_clear()
+        gate.check_upstream()  # FSDP_PEFT_UNVERIFIED=1 lifts the windows as it lifts the version gate
     finally:
-        _compat._checked.cache_clear()
+        gate._checked.cache_clear()
 
 
 def test_adapters_are_attached_without_the_deprecation_warning_peft_raises(tiny_model_dir):
@@ -150,19 +155,19 @@ def test_adapters_are_attached_without_the_deprecation_warning_peft_raises(tiny_
         return [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
 
     assert any("is_gradient_checkpointing" in m for m in warnings_of(get_peft_model))  # upstream: remove when not
-    assert warnings_of(_compat.peft_wrapped) == []
+    assert warnings_of(peft_patches.peft_wrapped) == []
 
 
 def test_a_renamed_symbol_is_named_in_one_line(monkeypatch):
     import transformers.trainer
 
     monkeypatch.delattr(transformers.trainer, "update_fsdp_plugin_peft")
-    _compat._checked.cache_clear()
+    gate._checked.cache_clear()
     try:
         with pytest.raises(CompatError) as error:
-            _compat.check_upstream()
+            gate.check_upstream()
     finally:
-        _compat._checked.cache_clear()
+        gate._checked.cache_clear()
     version = importlib.metadata.version("transformers")
     assert str(error.value) == (
         f"transformers {version}: transformers.trainer.update_fsdp_plugin_peft is gone; fsdp-peft relies on it "
@@ -243,7 +248,7 @@ def test_trainable_tokens_through_the_base_layer_give_peft_values_and_gradients(
     layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
     expected, expected_grad = _output_and_delta_gradient(layer, ids, weights)
     assert calls == []  # peft's own forward never calls the frozen embedding
-    assert _compat.trainable_tokens_through_the_base_layer(model) == 1
+    assert peft_patches.trainable_tokens_through_the_base_layer(model) == 1
     output, grad = _output_and_delta_gradient(layer, ids, weights)
     assert calls == [layer.base_layer]
     assert output.dtype == expected.dtype == dtype and torch.equal(output, expected)
@@ -277,7 +282,7 @@ def test_trainable_tokens_of_an_untied_head_call_the_frozen_head_and_give_peft_v
     layer.base_layer.register_forward_hook(lambda module, inputs, output: calls.append(module))
     expected, expected_grad = _output_and_delta_gradient(layer, x, weights)
     assert calls == []  # peft's own forward never calls the frozen head
-    assert _compat.trainable_tokens_through_the_base_layer(model) == 2  # the embedding's rows and the head's
+    assert peft_patches.trainable_tokens_through_the_base_layer(model) == 2  # the embedding's rows and the head's
     output, grad = _output_and_delta_gradient(layer, x, weights)
     assert calls == [layer.base_layer] and output.dtype == expected.dtype == dtype
     untrained = [i for i in range(base.config.vocab_size) if i not in indices["lm_head"]]
@@ -304,7 +309,7 @@ def test_torch_compile_deferred_compiles_on_the_first_call_with_the_same_options
         calls.append(1)
         return 2 * x
 
-    with _compat.torch_compile_deferred():
+    with bitsandbytes_patches.torch_compile_deferred():
         deferred = torch.compile(twice, backend="eager", dynamic=False)
         decorated = torch.compile(backend="eager")(twice)
     assert torch.compile is compile_now  # restored on leaving

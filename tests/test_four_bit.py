@@ -18,7 +18,7 @@ import torch
 from four_bit_reference import code_book, decode, dynamic_map, nf4_from_quantiles, relative_error
 
 from conftest import REPO, launch_recipe, logged_losses, run_command, write_tiny_model
-from fsdp_peft.core import _compat
+from fsdp_peft.core._compat import bitsandbytes_patches
 
 CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 STORAGES = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
@@ -42,7 +42,7 @@ def bitsandbytes_own(packed: torch.Tensor, state, flat: bool = False) -> torch.T
     absmax = state.absmax
     if state.nested:
         absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    kernel = _compat.bitsandbytes_cpu_dequantize_4bit()
+    kernel = bitsandbytes_patches.bitsandbytes_cpu_dequantize_4bit()
     asked = [state.shape.numel()] if flat else list(state.shape)
     values = kernel.call_boxed(CPU_KEYS, packed, absmax.float(), state.blocksize, state.quant_type, asked, state.dtype)
     return values.view(state.shape)
@@ -102,7 +102,7 @@ def test_without_the_workaround_bitsandbytes_cpu_kernel_misplaces_block_scales(s
     assert relative_error(unpatched, weight) > 1.5 * relative_error(want, weight)
     assert relative_error(want, weight) <= NF4_ROUND_TRIP
     assert torch.equal(bnb_functional.dequantize_4bit(packed, state), want)
-    assert _compat._misplaces_block_scales()  # the patch's still_needed check sees the same
+    assert bitsandbytes_patches._misplaces_block_scales()  # the patch's still_needed check sees the same
 
 
 @pytest.mark.parametrize("shape", RIGHT_SHAPES, ids=str)
@@ -123,7 +123,7 @@ def linear_4bit(in_features: int, out_features: int, compute: torch.dtype) -> bi
     layer.weight = bitsandbytes.nn.Params4bit(
         weight.to(torch.bfloat16), requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16
     )
-    _compat.cpu_weight_repacking_disabled(layer.to("cpu"))  # as the recipes do (its own patch)
+    bitsandbytes_patches.cpu_weight_repacking_disabled(layer.to("cpu"))  # as the recipes do (its own patch)
     return layer
 
 

@@ -232,9 +232,10 @@ def test_the_4bit_weights_each_rank_holds_gather_to_one_process_load_and_decode_
 def test_ordinary_loading_frees_each_units_weights_as_fsdp2_shards_it(tmp_path):
     """Accelerate holds a state dict of the unsharded model through FSDP2's sharding (read by its low-memory branch
     only): every rank peaked at its whole model plus its shards (one H200: twice the weights on one rank). The
-    sharding step frees each unit's weights as it goes (`fsdp_peft.core._compat.originals_released_while_sharding`).
-    Measured here on this model (517 MiB in fp32 a rank, 258 MiB of shards): +26 MiB of anonymous memory while
-    sharding; +265 MiB with accelerate's behaviour (``--keep-originals``), 2026-12-04."""
+    sharding step frees each unit's weights as it goes
+    (`fsdp_peft.core._compat.accelerate_patches.originals_released_while_sharding`). Measured here on this model (517
+    MiB in fp32 a rank, 258 MiB of shards): +26 MiB of anonymous memory while sharding; +265 MiB with accelerate's
+    behaviour (``--keep-originals``), 2026-12-04."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from fsdp_peft.model.paths import tiny_model_path

@@ -208,7 +208,8 @@ def test_qlora_dpo_on_two_ranks_matches_one_process_and_keeps_fp32_adapters(tmp_
     unsharded process (no launcher, no FSDP) accumulating the same 4 micro-batches of 8. The reference keeps the
     micro-batch size: in bf16 the batch split itself moves the result (one process, 1 x 32 against 2 x 16: 4.7e-4
     relative on the loss, 2.8e-4 on the log-probs, measured 2026-12-01), independently of sharding. Accumulation
-    under FSDP2 was refused until `fsdp_peft.core._compat.fsdp2_accumulation_skips_ungathered_parameters`."""
+    under FSDP2 was refused until
+    `fsdp_peft.core._compat.torch_patches.fsdp2_accumulation_skips_ungathered_parameters`."""
     qlora = ["--load_in_4bit", "true", "--bf16", "true", "--torch_dtype", "bfloat16", "--generate_samples", "0"]
     qlora += ["--per_device_train_batch_size", "8"]
     two, one = tmp_path_factory.mktemp("qlora_two"), tmp_path_factory.mktemp("qlora_one")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_peft.core._compat import process_groups_released
+from fsdp_peft.core._compat.torch_patches import process_groups_released
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ def release_process_group() -> None:
     Threads of a process group left running into interpreter shutdown race finalization and the C++ static
     destructors: finished runs aborted at exit ("terminate called without an active exception", SIGABRT),
     which the launcher reports as a failure. torch's destroy alone leaves them running under FSDP2
-    (`fsdp_peft.core._compat.process_groups_released`); a thread still running afterwards is named in a warning.
-    """
+    (`fsdp_peft.core._compat.torch_patches.process_groups_released`); a thread still running afterwards is named in a
+    warning."""
     if not dist.is_available():
         return
     if dist.is_initialized():

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, GenerationConfig
 from transformers.quantizers import AutoHfQuantizer
 
-from fsdp_peft.core._compat import fsdp2_prepare_model_replaced
+from fsdp_peft.core._compat.accelerate_patches import fsdp2_prepare_model_replaced
 from fsdp_peft.core.distributed import ranks
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
@@ -174,7 +174,8 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device, offload_t
 
 def trained_rows_copied(layer, full: torch.Tensor, rank: int, device: torch.device) -> None:
     """peft's trainable tokens start as their base rows, which a skeleton did not have when peft attached them
-    (`fsdp_peft.core._compat.adapters_created_off_meta`): copy them from rank 0's full tensor, each rank its shard."""
+    (`fsdp_peft.core._compat.peft_patches.adapters_created_off_meta`): copy them from rank 0's full tensor, each rank
+    its shard."""
     if layer is None or not hasattr(layer, "trainable_tokens_delta"):
         return
     for adapter, indices in layer.token_indices.items():

@@ -22,9 +22,9 @@ from transformers import (
     set_seed,
 )
 
-from fsdp_peft.core._compat import (
+from fsdp_peft.core._compat.bitsandbytes_patches import cpu_weight_repacking_disabled
+from fsdp_peft.core._compat.peft_patches import (
     adapters_created_off_meta,
-    cpu_weight_repacking_disabled,
     dora_lora_weight_without_graph,
     peft_wrapped,
     trainable_tokens_through_the_base_layer,

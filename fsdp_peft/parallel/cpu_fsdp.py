@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy
 from transformers import TrainingArguments
 
-from fsdp_peft.core._compat import state_switched_to_fsdp
+from fsdp_peft.core._compat.accelerate_patches import state_switched_to_fsdp
 from fsdp_peft.settings.fsdp_settings import fsdp_settings
 
 

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from fsdp_peft.core._compat import (
-    context_parallel_hooks_skipped,
-    originals_released_while_sharding,
-    trainer_peft_update_skipped,
-    xla_fsdp_optimizer_created,
-)
+from fsdp_peft.core._compat.accelerate_patches import context_parallel_hooks_skipped, originals_released_while_sharding
+from fsdp_peft.core._compat.transformers_patches import trainer_peft_update_skipped, xla_fsdp_optimizer_created
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.xla import expose_generate, prepare_for_xla_fsdp, sharding_summary
 from fsdp_peft.model.loading import weights_loaded_after_sharding

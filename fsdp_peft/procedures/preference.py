@@ -19,7 +19,7 @@ import torch
 from datasets import load_from_disk
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from fsdp_peft.core._compat import trl_without_the_checkpointing_warning
+from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.procedures.procedure import Procedure, Setup

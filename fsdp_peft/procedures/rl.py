@@ -19,7 +19,7 @@ from pathlib import Path
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from fsdp_peft.core._compat import trl_without_the_checkpointing_warning
+from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.run_file_names import SAMPLES_FILE

@@ -16,12 +16,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from fsdp_peft.core._compat import (
-    fsdp1_adapter_checkpoints,
-    fsdp2_accumulation_skips_ungathered_parameters,
-    loss_counts_every_ranks_tokens,
-    trl_without_the_checkpointing_warning,
-)
+from fsdp_peft.core._compat.accelerate_patches import fsdp1_adapter_checkpoints
+from fsdp_peft.core._compat.torch_patches import fsdp2_accumulation_skips_ungathered_parameters
+from fsdp_peft.core._compat.transformers_patches import loss_counts_every_ranks_tokens
+from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.atomic_publish import publish_directory
 from fsdp_peft.core.dtypes import trainable_dtypes_kept
 from fsdp_peft.core.errors import ConfigError
@@ -367,7 +365,7 @@ class ReferenceWithoutCopy:
     same reference), and the bf16 cast of a 4-bit base's adapter weights (they stay in the dtype
     `attach_lora` chose, fp32 master weights as in SFT). Their fused log-prob head leaves the output head's
     FSDP2 unit ungathered, which gradient accumulation under mixed precision needs patched
-    (`fsdp_peft.core._compat.fsdp2_accumulation_skips_ungathered_parameters`).
+    (`fsdp_peft.core._compat.torch_patches.fsdp2_accumulation_skips_ungathered_parameters`).
     """
 
     head_read_directly = (

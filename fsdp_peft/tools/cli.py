@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         _add_model_commands(commands)
     args = parser.parse_args(argv)
     if args.command not in CATALOG_COMMANDS:
-        from fsdp_peft.core._compat import check_upstream  # lazy: ls/cp must not import torch
+        from fsdp_peft.core._compat.gate import check_upstream  # lazy: ls/cp must not import torch
         from fsdp_peft.core.log import configure_logging, loading_bars_hidden  # lazy: ls/cp must not import torch
 
         configure_logging(stream="stderr")  # stdout is the command's output (completions, plans, listings)

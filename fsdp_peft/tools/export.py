@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from fsdp_peft.core._compat import peft_wrapped
+from fsdp_peft.core._compat.peft_patches import peft_wrapped
 from fsdp_peft.core.atomic_publish import publish_directory
 from fsdp_peft.core.dtypes import short_dtype_name
 from fsdp_peft.core.errors import ConfigError

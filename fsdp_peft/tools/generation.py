@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
-from fsdp_peft.core._compat import fsdp_param_groups
+from fsdp_peft.core._compat.torch_patches import fsdp_param_groups
 from fsdp_peft.core.distributed import gathered_from_every_rank
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.run_file_names import EVAL_SAMPLES_FILE

@@ -23,7 +23,7 @@ import torch
 from peft import get_peft_config, set_peft_model_state_dict
 from transformers import AutoConfig, AutoTokenizer, TextStreamer, set_seed
 
-from fsdp_peft.core._compat import peft_wrapped
+from fsdp_peft.core._compat.peft_patches import peft_wrapped
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
 from fsdp_peft.data.templates import render_prompt

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from fsdp_peft.core import distributed
-from fsdp_peft.core._compat import peft_wrapped
+from fsdp_peft.core._compat.peft_patches import peft_wrapped
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.safetensors_io import parse_size
 from fsdp_peft.core.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
@@ -699,8 +699,8 @@ def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -
     """A GPU's peak while ordinary loading: the whole model as loaded (4-bit weights packed; a MoE's experts in
     ``torch_dtype``, quantized after loading), its adapters and quantization constants, the largest unit's shard
     being made, and the CUDA context. FSDP2 frees each unit's weights as it shards it
-    (`fsdp_peft.core._compat.originals_released_while_sharding`; accelerate alone held them all). Low-memory loading
-    puts only shards on a GPU."""
+    (`fsdp_peft.core._compat.accelerate_patches.originals_released_while_sharding`; accelerate alone held them all).
+    Low-memory loading puts only shards on a GPU."""
     base = whole.base_bytes
     if whole.expert_parameters and recipe.load_in_4bit:
         base += whole.expert_parameters * DTYPE_BYTES[recipe.torch_dtype] - whole.expert_bytes

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
-from fsdp_peft.core._compat import fsdp_param_groups
+from fsdp_peft.core._compat.torch_patches import fsdp_param_groups
 from fsdp_peft.core.distributed import start_process_group
 from fsdp_peft.model.loading import low_memory_loading_requested
 from fsdp_peft.model.modeling import attach_lora, load_base_model

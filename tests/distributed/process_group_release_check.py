@@ -1,9 +1,8 @@
 """Run under torchrun (2 gloo ranks): which process-group threads outlive torch's destroy, and ours.
 
 An FSDP2 model trains one step; then ``dist.destroy_process_group()`` alone, then
-`fsdp_peft.core._compat.process_groups_released`. Prints one JSON line on rank 0 with the process-group thread
-names running at each point: {"training": [...], "after_torch_destroy": [...], "after_release": [...]}.
-"""
+`fsdp_peft.core._compat.torch_patches.process_groups_released`. Prints one JSON line on rank 0 with the process-group
+thread names running at each point: {"training": [...], "after_torch_destroy": [...], "after_release": [...]}."""
 
 import json
 
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_peft.core._compat import process_group_threads, process_groups_released
+from fsdp_peft.core._compat.torch_patches import process_group_threads, process_groups_released
 from fsdp_peft.core.distributed import ranks, start_process_group
 
 
