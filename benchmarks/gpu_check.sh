@@ -25,8 +25,8 @@
 #   and text rows mixed: tokens/s, peak GPU memory next to the plan, losses finite.
 # - Sequence parallel (needs 2 GPUs; one GPU skips it): recipes/llama_qlora.py on the 8B shape, 16,384-token packed
 #   rows split over 2 ranks against one process on the whole rows: tokens/s, peaks next to the plans, loss difference.
-# benchmarks/gpu_check.py has the details. The dry run runs two of the four GRPO runs, the MoE QLoRA
-# run only, on the embedded tiny-qwen3-moe, the VLM QLoRA run on tiny-qwen2.5-vl, and the sequence-parallel pair on
+# benchmarks/gpu_check.py and its checks (benchmarks/gpu_checks/, one module each) have the details. The dry run
+# runs two of the four GRPO runs, the MoE QLoRA run only, on the embedded tiny-qwen3-moe, the VLM QLoRA run on tiny-qwen2.5-vl, and the sequence-parallel pair on
 # tiny-llama over 2 gloo ranks (CI's time).
 # Writes benchmarks/results/gpu_check_<UTC date and time>.json (date, hardware, versions inside) and
 # copies it to benchmarks/results/gpu_check.json. Needs no network when the packages of

@@ -1,5 +1,5 @@
 """bitsandbytes' 4-bit formats decoded from their definition: the oracle of every 4-bit test (and of
-``benchmarks/gpu_check.py``'s CUDA check). Nothing here calls bitsandbytes.
+``benchmarks/gpu_checks/kernels.py``'s CUDA check). Nothing here calls bitsandbytes.
 
 The format (``bitsandbytes.functional.quantize_4bit``, as of 0.50): the tensor's values in row-major order, cut into
 blocks of ``blocksize``; each value is stored as the index (4 bits) of the nearest entry of a 16-value code book
