@@ -1,6 +1,6 @@
-"""The registry and the gate: the upstream symbols fsdp-peft relies on (`UPSTREAM`), the verified releases, the
-`patch` decorator every patch module registers its patches with, and `check_upstream`, which stops a start in one
-line when a release or a symbol is not the one verified."""
+"""The registry: the upstream symbols fsdp-peft relies on (`UPSTREAM`), the releases it was verified with
+(`VERIFIED`), the `patch` decorator every patch module registers its patches with (`PATCHES`), and the one-line
+problems a release or a symbol outside them makes, which `fsdp_peft.core._compat.gate.check_upstream` raises."""
 
 from __future__ import annotations
 
