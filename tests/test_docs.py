@@ -706,7 +706,8 @@ def test_every_link_between_the_pages_and_into_them_resolves():
 
 
 def test_the_readmes_layout_names_every_module_of_the_package():
-    """A newcomer finds every module of ``fsdp_peft/`` (and each subpackage) in the README's layout table."""
+    """A newcomer finds every module of ``fsdp_peft/`` and each of its rooms (subpackages) in the README's layout
+    table; each room's docstring names its own modules (tests/test_imports.py)."""
     layout = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
     modules = [p for p in (REPO / "fsdp_peft").glob("*.py") if p.name != "__init__.py"]
     packages = [p for p in (REPO / "fsdp_peft").iterdir() if (p / "__init__.py").is_file()]

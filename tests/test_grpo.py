@@ -180,7 +180,7 @@ def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs)
 @pytest.mark.slow
 def test_a_grpo_run_prints_no_future_or_deprecation_warning(sampled_runs):
     """TRL reads transformers' deprecated ``is_gradient_checkpointing`` around every rollout batch; the recipe's
-    trainer silences that one warning (`fsdp_peft.core._compat.trl_rollouts_without_the_checkpointing_warning`)."""
+    trainer silences that one warning (`fsdp_peft.core._compat.trl_patches.trl_without_the_checkpointing_warning`)."""
     warned = [line for line in sampled_runs["printed"].splitlines() if "Warning" in line and "deprecat" in line.lower()]
     assert "FutureWarning" not in sampled_runs["printed"] and "DeprecationWarning" not in sampled_runs["printed"], (
         warned

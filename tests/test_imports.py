@@ -215,7 +215,12 @@ def test_every_module_lies_in_a_room_and_imports_no_room_above_its_own():
     assert room_of("fsdp_peft.model.tiny") == 2 and room_of("fsdp_peft.model") == 2  # the package's own __init__ too
 
 
-def test_every_room_says_what_it_owns():
+def test_every_room_says_what_it_owns_and_names_each_of_its_modules():
+    """A room's ``__init__`` docstring is its map (README's layout table names the rooms): every module and
+    subpackage in it is named there, as `name` or `fsdp_peft.<room>.name`."""
     for room in ROOMS:
-        docstring = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text()))
-        assert docstring and len(docstring) > 100, f"fsdp_peft/{room}/__init__.py has no docstring of what it owns"
+        docstring = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())) or ""
+        members = [p.stem for p in (PACKAGE / room).glob("*.py") if p.name != "__init__.py"]
+        members += [p.name for p in (PACKAGE / room).iterdir() if (p / "__init__.py").is_file()]
+        unnamed = [name for name in members if not re.search(rf"`(fsdp_peft\.{room}\.)?{name}\b", docstring)]
+        assert docstring and not unnamed, f"fsdp_peft/{room}/__init__.py does not name: {unnamed}"

@@ -1,6 +1,6 @@
 """4-bit experts (`fsdp_peft.model.moe_quantization`) in one process: bitsandbytes' own values, the forward of the model
-with
-its experts dequantized, and the bytes, on the families with an entry and on generic-path MoEs (OLMoE, Qwen2-MoE)."""
+with its experts dequantized, and the bytes, on the families with an entry and on generic-path MoEs (OLMoE,
+Qwen2-MoE)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def release_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if still_running := process_groups_released():
-        logging.getLogger(__package__).warning(  # fsdp_peft.core.log's logger (that module reads this one's ranks)
+        # fsdp_peft.core.log's logger by its name (that module reads this one's ranks)
+        logging.getLogger("fsdp_peft").warning(
             f"{len(still_running)} native threads of the process group outlived it ({', '.join(still_running)}): "
             "something still holds the group; the process may abort at exit"
         )

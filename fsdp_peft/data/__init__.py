@@ -25,5 +25,6 @@ them, so a module that needs one step does not load them all):
 - `fsdp_peft.data.cache`: tokenized once per node, cached, and loaded (`load_data`)
 
 Preference rows (DPO pairs, KTO's rated completions) are `fsdp_peft.data.preference`: the same sources
-and bad-row rules, rendered as text for TRL, which tokenizes them itself.
+and bad-row rules, rendered as text for TRL, which tokenizes them itself. Chat rows with images, for the
+vision-language recipes, are `fsdp_peft.data.vision_rows`: checked and rendered by the model's processor.
 """

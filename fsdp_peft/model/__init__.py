@@ -1,7 +1,10 @@
-"""The model: where its files come from (the embedded tiny models, SmolLM2, the cache), how it loads (16-bit or
-4-bit, low-memory), the PEFT adapter and its variants on top, MoE experts and vision towers, the attention kernel,
-the loss and the compiled decoder layers, and the merge of an adapter into full weights.
+"""The model: where its files come from (`paths`: the cache and the embedded models, `tiny`, `tiny_vision`,
+`smollm2` and its tasks `real_tasks`), the whole build (`modeling.build_model`) with its low-memory loading
+(`loading`), 4-bit experts (`moe_quantization`) and mixtures of experts (`moe`), vision towers (`vision`), the
+attention kernel (`attention`), the LoRA variants (`variants`) and initialisations computed from the base
+(`residual`), new tokens (`new_tokens`), the record of what the build decided (`model_record`), the chunked loss
+(`loss`), the compiled layers (`compiled`), the adapter directory (`adapter_files`) and the merge of an adapter into
+full weights (`merge`).
 
-`fsdp_peft.model.modeling` builds the model a recipe asks for; the other modules are the pieces it puts together.
 Import from the module: this package imports none of them.
 """

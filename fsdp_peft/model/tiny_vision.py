@@ -5,10 +5,9 @@ its first vision block's features also added to the first decoder layer's image 
 and ``tiny-gemma3-vl`` (``Gemma3ForConditionalGeneration``) have the text tiny models' sizes (width 128, 4 layers,
 4/2 heads) and a 2-layer vision tower of width 64 that turns a 32x32 image into 4 image tokens. Their tokenizer is
 the embedded byte tokenizer (`fsdp_peft.model.tiny`) plus the family's image special tokens; their chat templates render
-a
-``{"type": "image"}`` content part as the family's image placeholder. Like the text tiny models they are built
-from a fixed seed into the cache on first use (`fsdp_peft.model.paths.tiny_model_path`) as ordinary Hugging Face
-checkpoints that reload with ``AutoModelForImageTextToText``; the processor reloads with `load_processor`.
+a ``{"type": "image"}`` content part as the family's image placeholder. Like the text tiny models they are built from a
+fixed seed into the cache on first use (`fsdp_peft.model.paths.tiny_model_path`) as ordinary Hugging Face checkpoints
+that reload with ``AutoModelForImageTextToText``; the processor reloads with `load_processor`.
 
 ``tiny-colors`` (`fsdp_peft.model.paths.tiny_colors_path`) is the image task: 32x32 PNGs of 8 colours with jitter and
 noise, "What color is this?" answered by the colour's name, in the TRL/hub chat format (``messages`` with

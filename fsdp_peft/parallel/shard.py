@@ -2,11 +2,9 @@
 
 Trainer prepares the model inside its private ``_prepare_for_training`` (accelerate wraps it there: FSDP2's
 ``fully_shard`` per unit, or FSDP1; XLA FSDP on TPUs); `fsdp_peft.procedures.trainer.PeftFsdpMixin` overrides that hook
-with
-one call to `shard`, which runs Trainer's preparation as its middle step. What is decided earlier is said where it
+with one call to `shard`, which runs Trainer's preparation as its middle step. What is decided earlier is said where it
 is: the model and its adapters (`fsdp_peft.model.modeling.build_model`), the FSDP settings
-(`fsdp_peft.settings.fsdp_settings`),
-the CPU mode (`fsdp_peft.parallel.cpu_fsdp`), what TRL's trainers add and undo
+(`fsdp_peft.settings.fsdp_settings`), the CPU mode (`fsdp_peft.parallel.cpu_fsdp`), what TRL's trainers add and undo
 (`fsdp_peft.procedures.trainer.ReferenceWithoutCopy`).
 """
 

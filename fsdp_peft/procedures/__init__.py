@@ -1,7 +1,8 @@
-"""The training procedures and the Trainer they share: supervised fine-tuning (`sft`, `vision_sft`), preference
-training (`preference`: DPO, KTO) and GRPO (`rl`, with `rewards`), each a `procedure.Procedure` value that
-`fsdp_peft.recipe` runs through one skeleton; the project's `Trainer` (`trainer`), memory measured in the run
-(`memory`), EVA initialisation (`eva`), and what a run does when it ends (`ending`).
+"""The training procedures and the Trainer they share: supervised fine-tuning (`sft`, and `vision_sft` for
+vision-language models), preference training (`preference`: DPO, KTO) and GRPO (`rl`, with `rewards`), each a
+`procedure.Procedure` value that `fsdp_peft.recipe` runs through one skeleton; the recipes' `Trainer` (`trainer`),
+memory measured in the run (`memory`), EVA initialisation from sharded data (`eva`), and what a run does when it ends
+(`ending`).
 
 Import from the module: this package imports none of them.
 """

@@ -1,12 +1,10 @@
 """Preference tuning, the procedure of the DPO/KTO recipes (`fsdp_peft.procedures.procedure.Procedure`): DPO through
-TRL's
-`DPOTrainer`, KTO through its `KTOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
+TRL's `DPOTrainer`, KTO through its `KTOTrainer`, with the SFT trainer's FSDP behaviour for PEFT.
 
 Its data: preference pairs (or rated completions for KTO), every row checked before any weights load. Its
 trainer: TRL's, the reference being the policy itself with its adapter disabled: the same sharded base, no second
 copy (`fsdp_peft.procedures.trainer.ReferenceWithoutCopy`). With ``precompute_ref_log_probs`` the reference log-probs
-are
-computed once, before training. Its score, before and after training: held-out rewards and log-probs, and greedy
+are computed once, before training. Its score, before and after training: held-out rewards and log-probs, and greedy
 generation compared with both answers.
 """
 

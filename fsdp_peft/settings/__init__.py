@@ -1,7 +1,7 @@
-"""What a recipe says: its arguments and their keys, the choices each key takes, the model families and recipes
-the project ships, the FSDP settings of an accelerate config, and activation checkpointing's forms.
+"""What a recipe says: its arguments, read from YAML and the command line (`config`), every key's type, range and
+choices (`keys`, `choices`), QLoRA's 4-bit settings as one record (`four_bit`), the model families (`families`), the
+shipped recipes and configs (`catalog`), the FSDP settings resolved from the launcher, the YAML and the command line
+(`fsdp_settings`), and activation checkpointing's forms (`checkpointing`).
 
-`fsdp_peft.settings.config` reads a recipe YAML into `RecipeArguments`; the modules beside it own the names and
-choices it checks against. Nothing here loads a model or touches a process group. Import from the module: this
-package imports none of them.
+Nothing here loads a model or joins a process group. Import from the module: this package imports none of them.
 """

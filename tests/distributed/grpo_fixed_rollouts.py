@@ -1,15 +1,13 @@
 """The GRPO recipe with its rollouts held fixed, for the 2-rank vs one-process equivalence tests.
 
 `fsdp_peft.procedures.rl.GRPO_PROCEDURE` runs unchanged (model build, FSDP, TRL's reward scoring, advantages, reference
-pass and
-loss) except for sampling: each completion is a function of its prompt and its place in its group, and the reward
-(`token_reward`, named in the YAML as ``grpo_fixed_rollouts:token_reward``) a function of the completion alone. So
-2 ranks x B and one process x 2B see the same completions, rewards and advantages, and what is left to compare is
-the sharded loss and gradients. The generation batch keeps its order (TRL shuffles it before cutting it into
-micro-batches): one process accumulating 2 micro-batches of B then holds exactly the rows each rank holds, which
-bf16 (QLoRA) needs, as its sums round differently over other partitions of the same rows. The first optimizer
-step's adapter gradients (unsharded; the tests set ``max_grad_norm 0``, so no clipping) are written to
-``--grads_out`` by rank 0.
+pass and loss) except for sampling: each completion is a function of its prompt and its place in its group, and the
+reward (`token_reward`, named in the YAML as ``grpo_fixed_rollouts:token_reward``) a function of the completion alone.
+So 2 ranks x B and one process x 2B see the same completions, rewards and advantages, and what is left to compare is the
+sharded loss and gradients. The generation batch keeps its order (TRL shuffles it before cutting it into micro-batches):
+one process accumulating 2 micro-batches of B then holds exactly the rows each rank holds, which bf16 (QLoRA) needs, as
+its sums round differently over other partitions of the same rows. The first optimizer step's adapter gradients
+(unsharded; the tests set ``max_grad_norm 0``, so no clipping) are written to ``--grads_out`` by rank 0.
 
     accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml tests/distributed/grpo_fixed_rollouts.py \
         --grads_out grads.pt --output_dir ... [--key value ...]
