@@ -269,11 +269,13 @@ def _trained_adapter_on_the_residual(run, directory):
     base (``[A; A0]``, ``[B, -B0]``, rank 2r), whose first r ranks are the trained A and B: plain peft loads
     those on the residual checkpoint (the run's cached one)."""
     from peft import PeftConfig
+    from transformers import AutoConfig
 
     from fsdp_peft.model.modeling import initialisation_checkpoint
 
     recipe, training = parse_recipe_config(["--config", str(run["config"])], run["config"], str(run["dir"]))
-    residual, _ = initialisation_checkpoint(recipe, str(run["model"]), training, torch.device("cpu"))
+    model_config = AutoConfig.from_pretrained(run["model"])
+    residual, _ = initialisation_checkpoint(recipe, str(run["model"]), model_config, training, torch.device("cpu"))
     config = PeftConfig.from_pretrained(run["dir"] / "adapter")
     config.r, config.lora_alpha = config.r // 2, config.lora_alpha / 2
     converted = load_file(run["dir"] / "adapter" / "adapter_model.safetensors")
