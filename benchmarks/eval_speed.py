@@ -60,7 +60,7 @@ def train(work: Path, steps: int) -> Path:
 
 
 def evaluate(mode: str, run_dir: Path, steps: int, out: Path) -> dict:
-    cli = ["-m", "fsdp_peft.tools.cli", "eval"]
+    cli = ["-m", "fsdp_peft.cli", "eval"]
     if mode == "sharded":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         command = [*launcher, "--master_port", str(free_port()), *cli, str(run_dir / f"checkpoint-{steps}")]

@@ -96,7 +96,7 @@ def accelerate_config(configuration: Configuration, directory: Path) -> Path:
 
 
 def remote_code_model(directory: Path) -> Path:
-    """The embedded Llama as a model whose code lives in its directory (as tests/test_runs.py builds it)."""
+    """The embedded Llama as a model whose code lives in its directory (as tests/tools/test_runs.py builds it)."""
     from fsdp_peft.model.paths import tiny_model_path
     from fsdp_peft.model.tiny import write_remote_code_copy
 

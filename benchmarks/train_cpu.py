@@ -114,11 +114,11 @@ def launch(
 
 def planned(config: Path, world: int, launcher: Path | None) -> dict:
     """The planner's figures for the run's config (what `fsdp-peft plan` prints)."""
-    from fsdp_peft.tools.cli import _environment, launcher_environment
-    from fsdp_peft.tools.plan import plan_memory
+    from fsdp_peft.cli import _environment, launcher_environment
+    from fsdp_peft.procedures.registry import plan_config
 
     with _environment(launcher_environment(launcher) if launcher else {}):
-        plan = plan_memory(config, world, 80 * 2**30)
+        plan = plan_config(config, world, 80 * 2**30)
     return {
         "parameter_bytes": plan.gpu["base weights (shard)"] + plan.gpu["adapter weights (shard)"],
         "gradient_bytes": plan.gpu["gradients (shard)"],

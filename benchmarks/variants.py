@@ -1,6 +1,6 @@
 """Every LoRA variant one at a time, LoRA and QLoRA, FSDP2 and FSDP1: 2 gloo ranks against one process.
 
-tests/test_variants.py covers the variants combined (nine 2-rank runs, within the CI budget). This script runs
+tests/model/test_variants.py covers the variants combined (nine 2-rank runs, within the CI budget). This script runs
 each variant on its own, for both recipes and both FSDP versions, as a user launches it, and reads back:
 
 - the largest relative difference of the 5 logged losses between the 2-rank run and one process with the same

@@ -32,6 +32,7 @@ from fsdp_peft.model.compiled import compile_layers
 from fsdp_peft.model.modeling import build_model, load_tokenizer
 from fsdp_peft.procedures.ending import end_run
 from fsdp_peft.procedures.procedure import Procedure, ScoredBeforeTraining, Setup
+from fsdp_peft.procedures.registry import check_config
 from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.procedures.trainer import check_resumable
 from fsdp_peft.settings.checkpointing import CheckpointingChoice, apply_checkpointing
@@ -41,12 +42,10 @@ from fsdp_peft.settings.config import (
     resolve_recipe_config,
     resolved_config_yaml,
     unset_training_values,
-    with_procedure_defaults,
 )
 from fsdp_peft.settings.fsdp_settings import trainer_fsdp_arguments
 from fsdp_peft.tools.plan import run_checkpointing
 from fsdp_peft.tools.runs import die_with_the_launcher, release_output_dir, start_run
-from fsdp_peft.tools.validation import check_before_training
 
 
 @exits_cleanly_on_user_error
@@ -110,13 +109,14 @@ def parse_run_config(
     argv: list[str], default_config: Path, default_output_dir: str, procedure: Procedure = SFT_PROCEDURE
 ) -> tuple[RecipeArguments, TrainingArguments, CheckpointingChoice]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments (the class
-    ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules that guard ``procedure``;
+    ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules of ``procedure`` (the other
+    procedures' keys refused);
     ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.tools.plan.run_checkpointing`)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
-    recipe_args = with_procedure_defaults(recipe_args, procedure.name)
-    check_before_training(recipe_args, training_values, procedure=procedure.name)
+    recipe_args = procedure.with_defaults(recipe_args)
+    check_config(recipe_args, training_values, procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
-    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure.name, options.config)
+    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure, options.config)
     training_values = {**training_values, **chosen}
     arguments_class, extra = procedure.arguments(recipe_args)
     unset = unset_training_values()  # the procedure's defaults where the config sets none; not in training_values,

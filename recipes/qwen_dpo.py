@@ -16,6 +16,7 @@ from fsdp_peft.recipe import run_recipe
 from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "qwen_dpo" / "tiny.yaml"
+PROCEDURE = PREFERENCE_PROCEDURE  # what `fsdp-peft validate` and `plan` check and plan this recipe's configs as
 
 if __name__ == "__main__":
-    run_recipe("qwen_dpo", DEFAULT_CONFIG, procedure=PREFERENCE_PROCEDURE)
+    run_recipe("qwen_dpo", DEFAULT_CONFIG, procedure=PROCEDURE)

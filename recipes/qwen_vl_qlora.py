@@ -11,6 +11,7 @@ from fsdp_peft.recipe import run_recipe
 from fsdp_peft.settings.catalog import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "qwen_vl_qlora" / "tiny.yaml"
+PROCEDURE = VISION_SFT_PROCEDURE  # what `fsdp-peft validate` and `plan` check and plan this recipe's configs as
 
 if __name__ == "__main__":
-    run_recipe("qwen_vl_qlora", DEFAULT_CONFIG, procedure=VISION_SFT_PROCEDURE)
+    run_recipe("qwen_vl_qlora", DEFAULT_CONFIG, procedure=PROCEDURE)

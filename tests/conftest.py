@@ -187,15 +187,11 @@ def free_port() -> int:
 
 
 def procedure_of(config: Path):
-    """The `fsdp_peft.procedures.procedure.Procedure` a config's keys belong to
-    (`fsdp_peft.settings.config.procedure_of_config`)."""
-    from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
-    from fsdp_peft.procedures.rl import GRPO_PROCEDURE
-    from fsdp_peft.procedures.sft import SFT_PROCEDURE
-    from fsdp_peft.settings.config import PREFERENCE, RL, SFT, procedure_of_config
+    """The `fsdp_peft.procedures.procedure.Procedure` that trains a config (its recipe's, or its keys')
+    (`fsdp_peft.procedures.registry.config_procedure`)."""
+    from fsdp_peft.procedures.registry import config_procedure
 
-    procedures = {SFT: SFT_PROCEDURE, PREFERENCE: PREFERENCE_PROCEDURE, RL: GRPO_PROCEDURE}
-    return procedures[procedure_of_config(config)]
+    return config_procedure(config)[0]
 
 
 def read_json(path: Path):

@@ -20,7 +20,7 @@ def test_validate_accepts_a_shipped_config_and_rejects_a_broken_one(tmp_path):
     assert good.returncode == 0 and good.stdout.strip().endswith("llama3_1_8b.yaml: ok")
     bad = tmp_path / "bad.yaml"
     bad.write_text("load_in_4bit: true\nbnb_4bit_quant_storage: float32\nbf16: true\n")
-    result = run_command([exe, "validate", str(bad)], timeout=120)
+    result = run_command([exe, "validate", str(bad), "--recipe", "llama_qlora"], timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(
         "error: bnb_4bit_quant_storage: 'float32' differs from the dtype FSDP gathers in ('bfloat16'"
@@ -72,7 +72,7 @@ def test_validate_lists_every_problem_at_once_with_the_accelerate_configs_fsdp_r
 
 
 def test_cp_copies_a_recipe_into_a_directory_and_suggests_the_closest_name(tmp_path, capsys):
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     main(["cp", "recipes/qwen_qlora.py", str(tmp_path)])
     assert (tmp_path / "qwen_qlora.py").read_bytes() == (REPO / "recipes" / "qwen_qlora.py").read_bytes()
@@ -86,7 +86,7 @@ def test_cp_copies_a_recipe_into_a_directory_and_suggests_the_closest_name(tmp_p
 
 
 def test_validate_names_a_missing_accelerate_config(tmp_path, capsys):
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(
@@ -97,7 +97,7 @@ def test_validate_names_a_missing_accelerate_config(tmp_path, capsys):
 
 
 def test_cp_takes_a_config_name_without_its_suffix_as_tune_cp_does(tmp_path, capsys):
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     main(["cp", "llama_qlora/tiny", str(tmp_path / "mine.yaml")])
     assert (tmp_path / "mine.yaml").read_bytes() == (REPO / "configs" / "llama_qlora" / "tiny.yaml").read_bytes()
@@ -122,7 +122,7 @@ def test_an_error_is_one_whole_line_on_stderr(tmp_path, command):
 
 def test_tiny_model_builds_every_embedded_name_and_the_image_task(capsys):
     """A vision-language model's or the image task's name, as the configs give them, is accepted too."""
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     main(["tiny-model", "tiny-qwen2.5-vl"])
     model = Path(capsys.readouterr().out.strip())
@@ -133,7 +133,7 @@ def test_tiny_model_builds_every_embedded_name_and_the_image_task(capsys):
 
 
 def test_help_is_plain_text_and_describes_the_config_argument(capsys):
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -147,7 +147,7 @@ def test_help_is_plain_text_and_describes_the_config_argument(capsys):
 
 HELP_WITHOUT_TORCH = """
 import sys
-from fsdp_peft.tools.cli import main
+from fsdp_peft.cli import main
 for argv in (["--help"], *([name, "--help"] for name in sys.argv[1:])):
     try:
         main(argv)
@@ -160,7 +160,7 @@ print("imported:", heavy)
 
 def test_every_subcommands_help_answers_without_importing_torch_or_the_hugging_face_libraries():
     """--help is for reading the options: it must not wait seconds on the libraries the command itself needs."""
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     commands = ["ls", "cp", "validate", "plan", "export", "generate", "eval", "tiny-model"]
     with pytest.raises(SystemExit):
@@ -172,7 +172,7 @@ def test_every_subcommands_help_answers_without_importing_torch_or_the_hugging_f
 
 def test_the_embedded_names_are_the_ones_the_builders_build():
     """`fsdp_peft.settings.choices` lists the causal LMs without torch; `fsdp_peft.model.tiny` keys its family models by
-    exactly those names (tests/test_tiny_vision.py builds every vision-language name)."""
+    exactly those names (tests/model/test_tiny_vision.py builds every vision-language name)."""
     from fsdp_peft.model.tiny import TINY_FAMILY_CONFIGS
     from fsdp_peft.settings.choices import TINY_CAUSAL_LM_NAMES, TINY_MODEL_NAME
 

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from unittest import mock
 
@@ -219,8 +219,13 @@ def _accelerate_config_with(name: str, key: str, value: str) -> str:
 
 
 GPU = "needs GPUs: checked as the launch would start it, without weights"
-NODES = "needs several machines: checked as node 0 would start it; tests/test_multinode.py runs it on 2 CPU 'nodes'"
-SLURM = "needs Slurm: the script's dry run prints each node's launcher (tests/test_multinode.py::test_dry_run_*)"
+NODES = (
+    "needs several machines: checked as node 0 would start it; tests/parallel/test_multinode.py runs it on 2 CPU "
+    "'nodes'"
+)
+SLURM = (
+    "needs Slurm: the script's dry run prints each node's launcher (tests/parallel/test_multinode.py::test_dry_run_*)"
+)
 TPU_ENVIRONMENT = "the TPU environment (torch 2.9.0 + torch-xla 2.9.0): .ci/run runs the documented line verbatim"
 TPU = "needs a TPU and the TPU environment"
 TORCHRUN_2X8 = "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 16\nmachine_rank: 0\n"
@@ -254,7 +259,7 @@ INSTEAD: dict[str, Run] = {
         "runs in a workspace of its own); its task directory is the checkout's",
     ),
     "$EDITOR my.yaml": Run(
-        "fsdp-peft validate my.yaml",
+        "fsdp-peft validate my.yaml --recipe qwen_qlora",
         (("my.yaml", _edited(MY_YAML, "lora_r: 16 ", "lora_r: 8 ")),),
         why="an editor: the copy with lora_r changed, validated",
     ),
@@ -363,6 +368,10 @@ INSTEAD: dict[str, Run] = {
         "bash benchmarks/gpu_check.sh --dry-run", why="needs a GPU: its documented CPU dry run, same code"
     ),
 }
+# A launch checked in its place is checked for the recipe it launches (`fsdp-peft validate --recipe`): its procedure.
+for _documented, _run in INSTEAD.items():
+    if (_launched := re.search(r"recipes/(\w+)\.py", _documented)) and _run.command.startswith("fsdp-peft validate "):
+        INSTEAD[_documented] = replace(_run, command=f"{_run.command} --recipe {_launched[1]}")
 
 
 def _recipe_launch(command: str) -> str | None:
@@ -488,11 +497,11 @@ class Workspaces:
 
 
 def _fsdp_peft_here(argv: list[str], workspace: Path, hub: Path) -> tuple[int, str, str]:
-    """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.tools.cli.main`, with the offline hub cache ``hub``."""
+    """``fsdp-peft argv`` run in ``workspace`` by `fsdp_peft.cli.main`, with the offline hub cache ``hub``."""
     import datasets.config
     from huggingface_hub import constants
 
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     with (
@@ -601,7 +610,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         sft = {r["impl"]: r for r in report["runs"] if r["impl"] in ("fsdp-peft", "plain") and r["model"] == "tiny"}
         assert sft["fsdp-peft"]["activation_checkpointing"]["reason"].startswith("auto: no GPU memory"), sft
         assert sft["fsdp-peft"]["checkpointed_layers"] == 0 and sft["plain"]["checkpointed_layers"] == 4, sft
-        # the split pair (2 gloo ranks against one process, QLoRA): tests/test_sequence_parallel.py's QLoRA bound
+        # the split pair (2 gloo ranks against one process, QLoRA):
+        # tests/parallel/test_sequence_parallel.py's QLoRA bound
         assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]
         split = next(r for r in report["runs"] if r["impl"] == "sp split")
         assert split["parameter_gradient_optimizer_bytes"] == split["planned"]["parameter_gradient_optimizer_bytes"]

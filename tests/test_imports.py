@@ -97,7 +97,7 @@ def local_imports() -> list[tuple[str, int, str]]:
 
 def test_the_graph_sees_imports_inside_functions_and_the_packages_they_load():
     graph = import_graph()
-    assert "fsdp_peft.tools.plan" in graph["fsdp_peft.tools.cli"]  # imported inside `_plan` only
+    assert "fsdp_peft.tools.plan" in graph["fsdp_peft.cli"]  # imported inside `_plan` only
     # its import of a data submodule runs the package's __init__
     assert "fsdp_peft.data" in graph["fsdp_peft.procedures.sft"]
     assert "fsdp_peft.data.sources" in graph["fsdp_peft.data.formats"]
@@ -140,6 +140,7 @@ def test_the_package_stands_on_at_most_13_import_layers():
 
 PROCEDURES = (
     "fsdp_peft.procedures.sft",
+    "fsdp_peft.procedures.vision_sft",
     "fsdp_peft.procedures.preference",
     "fsdp_peft.procedures.rl",
 )  # `fsdp_peft.procedures.procedure.Procedure` values
@@ -187,10 +188,11 @@ def test_the_model_record_is_the_only_state_set_on_models_by_name():
 
 
 # The rooms of the package, lowest first: a module imports only from its own room and the rooms before it
-# (README's layout table lists them top down). Outside every room and above them all: the recipes' skeleton, and the
-# package's own __init__ (which every import of a module runs first, so an import of it is no arrow).
+# (README's layout table lists them top down). Outside every room and above them all: the recipes' skeleton, the
+# ``fsdp-peft`` command (both entry points, which hand a procedure down to the tools), and the package's own
+# __init__ (which every import of a module runs first, so an import of it is no arrow).
 ROOMS = ("core", "settings", "model", "data", "parallel", "tools", "procedures")
-ABOVE_THE_ROOMS = {"fsdp_peft", "fsdp_peft.recipe"}
+ABOVE_THE_ROOMS = {"fsdp_peft", "fsdp_peft.recipe", "fsdp_peft.cli"}
 
 
 def room_of(module: str) -> int:
@@ -224,3 +226,25 @@ def test_every_room_says_what_it_owns_and_names_each_of_its_modules():
         members += [p.name for p in (PACKAGE / room).iterdir() if (p / "__init__.py").is_file()]
         unnamed = [name for name in members if not re.search(rf"`(fsdp_peft\.{room}\.)?{name}\b", docstring)]
         assert docstring and not unnamed, f"fsdp_peft/{room}/__init__.py does not name: {unnamed}"
+
+
+TOP_LEVEL_TESTS = ["test_cli.py", "test_docs.py", "test_imports.py", "test_recipes_catalog.py", "test_recipes_fsdp.py"]
+
+
+def test_the_tests_mirror_the_rooms():
+    """``tests/<room>/`` for every room, and at the top only the tests of the whole package (docs/tests.md); a test
+    module imports another test module only within its own folder (pytest puts a folder on the path only when it
+    imports a test from it)."""
+    tests = REPO / "tests"
+    assert all((tests / room).is_dir() and any((tests / room).glob("test_*.py")) for room in ROOMS)
+    assert sorted(path.name for path in tests.glob("test_*.py")) == TOP_LEVEL_TESTS
+    modules = {path.stem: path.parent for path in tests.rglob("test_*.py")}
+    crossing = [
+        f"{path.relative_to(REPO)} imports {node.module}"
+        for path in tests.rglob("test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.module in modules
+        and modules[node.module] not in (path.parent, tests)
+    ]
+    assert not crossing, crossing

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_recipe, procedure_of, read_json, run_command
+from fsdp_peft import cli
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.procedures.ending import plot_loss_curve, summary
-from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
-from fsdp_peft.procedures.rl import GRPO_PROCEDURE
-from fsdp_peft.procedures.sft import SFT_PROCEDURE, summary_lines
+from fsdp_peft.procedures.procedure import exact_match_lines
+from fsdp_peft.procedures.registry import recipe_procedure, recognised
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
+from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.settings.catalog import CONFIGS, RECIPES
 from fsdp_peft.settings.config import read_yaml_config
 from fsdp_peft.settings.families import family_for, tiny_family
-from fsdp_peft.tools import cli
 
 # TPU configs (configs/<recipe>/tpu_*.yaml) run in the TPU environment: tests/xla/ checks them there.
 RECIPE_CONFIGS = sorted(
@@ -30,7 +31,7 @@ RECIPE_CONFIGS = sorted(
 # GPU configs of real models; the CPU configs (tiny.yaml, and SmolLM2's, a real model run on 2 CPU processes:
 # tests/test_docs.py runs them as docs/real_model.md shows them) make no GPU promise
 REAL_CONFIGS = [p for p in RECIPE_CONFIGS if "\n# Hardware: any CPU" not in p.read_text()]
-# DPO: tests/test_preference.py; GRPO: tests/test_grpo.py; vision-language SFT: its own test below
+# DPO: tests/procedures/test_preference.py; GRPO: tests/procedures/test_grpo.py; vision-language SFT: its own test below
 VISION_REAL_CONFIGS = [p for p in REAL_CONFIGS if "_vl_" in p.parent.name]
 SFT_REAL_CONFIGS = [
     p for p in REAL_CONFIGS if not p.parent.name.endswith(("_dpo", "_grpo")) and "_vl_" not in p.parent.name
@@ -49,10 +50,6 @@ REQUIRED_REAL = {
 }
 
 
-def procedure_name(procedure) -> str:
-    return {id(PREFERENCE_PROCEDURE): "PREFERENCE_PROCEDURE", id(GRPO_PROCEDURE): "GRPO_PROCEDURE"}[id(procedure)]
-
-
 def _name(path: Path) -> str:
     return path.relative_to(CONFIGS).as_posix()
 
@@ -69,11 +66,14 @@ def test_every_recipe_defaults_to_a_tiny_config_of_its_family_and_flavour(tmp_pa
     for recipe in recipes:
         assert f'CONFIGS / "{recipe}" / "tiny.yaml"' in (RECIPES / f"{recipe}.py").read_text()
         config = CONFIGS / recipe / "tiny.yaml"
-        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], procedure_of(config)
-        if procedure is not SFT_PROCEDURE:  # the recipe runs the procedure its config's keys belong to
-            assert f"procedure={procedure_name(procedure)})" in (RECIPES / f"{recipe}.py").read_text(), recipe
-        if "_vl_" in recipe:  # a vision-language model's SFT: its rows have images (docs/vision.md)
-            assert "procedure=VISION_SFT_PROCEDURE)" in (RECIPES / f"{recipe}.py").read_text(), recipe
+        argv, procedure = ["--config", str(config), "--output_dir", str(tmp_path)], recipe_procedure(recipe)
+        assert procedure is procedure_of(config)  # validate and plan take a config under configs/<recipe>/ as its
+        if procedure is not SFT_PROCEDURE:  # the recipe launches the procedure it names
+            assert "run_recipe(" in (text := (RECIPES / f"{recipe}.py").read_text()) and "procedure=PROCEDURE)" in text
+        # a vision-language model's SFT: its rows have images (docs/vision.md); a loose copy of any other recipe's
+        # tiny config is taken as its recipe's by its keys
+        expected = VISION_SFT_PROCEDURE if "_vl_" in recipe else recognised(read_yaml_config(config))
+        assert procedure is expected, recipe
         args, _ = parse_recipe_config(argv, config, "unused", procedure=procedure)
         assert tiny_family(args.model_name_or_path).name.startswith(_family_prefix(recipe)), recipe
         assert args.load_in_4bit is recipe.endswith("qlora"), recipe
@@ -232,7 +232,7 @@ def test_loss_curve_is_skipped_with_one_line_when_no_loss_was_logged(tmp_path):
         "merged_dir": None,
         "loss_curve": None,
     }
-    lines = summary(results, tmp_path, summary_lines).splitlines()
+    lines = summary(results, tmp_path, exact_match_lines).splitlines()
     assert lines[0] == "[fsdp-peft] r: 2 steps, 1,536 tokens, 1.0 s training (2.0 s in all)"
     assert lines[1] == "[fsdp-peft] train loss 2.5000 (mean over the run), last logged 2.0000"
     assert [line for line in lines if "loss curve" in line] == [

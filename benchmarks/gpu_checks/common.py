@@ -153,9 +153,10 @@ def median_seconds(work, repeats: int = 5) -> float:
 
 
 def planned(config: Path, gpu_memory: int, ranks: int = 1) -> dict:
-    from fsdp_peft.tools.plan import CUDA_CONTEXT_BYTES, plan_memory
+    from fsdp_peft.procedures.registry import plan_config
+    from fsdp_peft.tools.plan import CUDA_CONTEXT_BYTES
 
-    plan = plan_memory(config, ranks, gpu_memory)
+    plan = plan_config(config, ranks, gpu_memory)
     return {
         "allocator_bytes": plan.gpu_total - CUDA_CONTEXT_BYTES,
         "total_with_context_bytes": plan.gpu_total,

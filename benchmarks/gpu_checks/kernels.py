@@ -16,7 +16,7 @@ state moved to CPU:
   quantization on and off) dequantized must equal the reference's reading of the documented layout exactly.
 
 ``matches_reference``: all three hold. The dry run runs the same cases on CPU, ``dequantize_4bit`` on the widths up to
-768 (`KERNEL_DRY_WIDTHS`: CI's time; tests/test_four_bit.py checks the CPU kernel against the same reference).
+768 (`KERNEL_DRY_WIDTHS`: CI's time; tests/model/test_four_bit.py checks the CPU kernel against the same reference).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from gpu_checks.common import DRIVER, REPO, last_line
 KERNEL_WIDTHS = (96, 160, 200, 768, 2048, 2880, 14336)
 
 
-KERNEL_DRY_WIDTHS = KERNEL_WIDTHS[:4]  # the dry run (CPU, CI's time): tests/test_four_bit.py checks the CPU kernel
+# the dry run (CPU, CI's time): tests/model/test_four_bit.py checks the CPU kernel
+KERNEL_DRY_WIDTHS = KERNEL_WIDTHS[:4]
 
 
 KERNEL_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)

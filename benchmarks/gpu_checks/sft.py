@@ -87,9 +87,10 @@ def run_one(args) -> dict:
     recipe, training_values, _ = resolve_recipe_config(["--config", str(config_path)], config_path, "outputs")
     checkpointing = None
     if args.impl == "fsdp-peft":  # the recipe's activation checkpointing: auto, as fsdp_peft.recipe resolves it
+        from fsdp_peft.procedures.sft import SFT_PROCEDURE
         from fsdp_peft.tools.plan import run_checkpointing
 
-        checkpointing, chosen = run_checkpointing(recipe, training_values, "sft", config_path)
+        checkpointing, chosen = run_checkpointing(recipe, training_values, SFT_PROCEDURE, config_path)
         training_values = {**training_values, **chosen}
     training = build_training_arguments(training_values, config_path)
     on_gpu = torch.cuda.is_available()

@@ -38,7 +38,6 @@ from fsdp_peft.model.attention import chosen_attention, model_class_named
 from fsdp_peft.model.moe import expert_count, router_aux_loss_coefficient
 from fsdp_peft.model.paths import local_model_config
 from fsdp_peft.parallel.cpu_fsdp import USE_PARALLELISM_CONFIG
-from fsdp_peft.settings.config import SFT
 from fsdp_peft.settings.fsdp_settings import RuleContext, launcher_asks_for_fsdp
 
 ULYSSES = "fsdp_peft_ulysses"  # the attention name the model runs under while a split is active
@@ -272,7 +271,7 @@ def sequence_split_runs_here(context: RuleContext) -> str | None:
     if n <= 1:
         return None
     key = f"sequence_parallel_size: {n}"
-    if context.procedure != SFT:
+    if context.procedure.through_trl:
         return (
             f"{key}: the preference and GRPO recipes train without the split (their losses are not made exact "
             "under it yet); set sequence_parallel_size: 1"

@@ -20,10 +20,14 @@ from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
-from fsdp_peft.procedures.procedure import Procedure, Setup
+from fsdp_peft.model.loading import low_memory_loading_requested
+from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
 from fsdp_peft.procedures.trainer import PeftFsdpMixin, ReferenceWithoutCopy
-from fsdp_peft.settings.config import PREFERENCE, RecipeArguments
+from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.settings.fsdp_settings import RuleContext
+from fsdp_peft.settings.keys import unknown_choice
 from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+from fsdp_peft.tools.plan import TRL_TOKEN_TILE, TRL_VOCAB_TILE
 from fsdp_peft.tools.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.tools.validation import trl_loss_types
 
@@ -245,12 +249,61 @@ def _closer_to(generation: dict) -> str:
     )
 
 
+def preference_loss_types() -> tuple[str, ...]:
+    """DPO's losses, then KTO's (which train on rated completions, not pairs)."""
+    return trl_loss_types("DPOConfig") + trl_loss_types("KTOConfig")
+
+
+def _preference_loss_is_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    if recipe.loss_type is not None and recipe.loss_type not in preference_loss_types():
+        return unknown_choice("loss_type", recipe.loss_type, preference_loss_types())
+    return None
+
+
+def _preference_beta_is_positive(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    if recipe.beta == 0:  # below 0: out of keys.RANGES, said there
+        return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
+    return None
+
+
+def _precomputed_reference_sees_the_weights(context: RuleContext) -> str | None:
+    recipe, training = context.recipe, context.training
+    if recipe.precompute_ref_log_probs and low_memory_loading_requested(training):
+        return (
+            "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
+            "cpu_ram_efficient_loading only rank 0 has weights then; set cpu_ram_efficient_loading: false or "
+            "precompute_ref_log_probs: false"
+        )
+    return None
+
+
+def _pairs(recipe, training: dict, model_config, compute_bytes: int, per_rank: int, tokens: int) -> PlannedRows:
+    note = (
+        "preference (DPO): each pair is 2 sequences (chosen + rejected), counted in the tokens per rank; "
+        "the reference pass (same model, adapter disabled, no grad) runs before the policy's forward and "
+        "keeps nothing for backward; no second copy of the base; log-probs come from TRL's fused head (tiles "
+        f"of {TRL_TOKEN_TILE} tokens x {TRL_VOCAB_TILE} vocabulary columns, never the full logits), whatever "
+        "loss_chunk_tokens says"
+    )
+    return PlannedRows(2 * tokens, note=note)
+
+
 PREFERENCE_PROCEDURE = Procedure(
-    name=PREFERENCE,
+    name="preference",
+    about="DPO/KTO",
     load_data=_load,
     trainer=_trainer,
     before=_before,
     after=_after,
     summary_lines=summary_lines,
     arguments=preference_arguments,
+    keys=("beta", "loss_type", "precompute_ref_log_probs", "ref_model"),
+    defaults={"beta": 0.1, "loss_type": "sigmoid"},  # TRL's DPOConfig's
+    # a loose YAML with beta or loss_type but no GRPO key (the registry asks GRPO first) is a DPO/KTO config
+    recognised_by=("beta", "loss_type", "precompute_ref_log_probs", "ref_model"),
+    rules=(_preference_loss_is_known, _preference_beta_is_positive, _precomputed_reference_sees_the_weights),
+    through_trl=True,
+    planned_rows=_pairs,
 )

@@ -10,16 +10,25 @@ none importing another. The skeleton calls the parts in this order:
 before any weights load) → the model → ``trainer`` → ``before`` (on the prepared, sharded model, at the first
 step) → train → ``after`` (the results, after the adapter is saved) → ``summary_lines`` (the summary's lines of
 those results, which ``fsdp-peft summary`` prints again from ``results.json``).
+
+A procedure also owns what the config checks and the plan need of it, before any of that runs: the keys only it
+reads (``keys``, with its own ``defaults`` of the ones it shares), the keys that make a loose YAML its config
+(``recognised_by``), its own ``rules`` (run after the ones every procedure shares, `fsdp_peft.tools.validation.RULES`,
+whose guards ask the procedure's traits, never its name), whether it trains through TRL (``through_trl``), and what
+one row puts through the model (``planned_rows``). Its name is spelled in its own module only;
+`fsdp_peft.procedures.registry` lists every procedure and finds a recipe's, or a config's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from transformers import TrainerCallback, TrainingArguments
 
+from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.settings.config import RecipeArguments
 
 
@@ -41,10 +50,20 @@ def plain_arguments(recipe: RecipeArguments) -> tuple[type[TrainingArguments], d
 
 
 @dataclass(frozen=True)
+class PlannedRows:
+    """What one micro-batch of a procedure puts through the model, for the plan (`fsdp_peft.tools.plan`)."""
+
+    tokens: int  # tokens per rank in one forward
+    cache_bytes: int = 0  # a KV cache held beside the activations (GRPO's rollouts)
+    note: str | None = None  # how the tokens are counted, for the plan's notes
+
+
+@dataclass(frozen=True)
 class Procedure:
     """One procedure's parts (see the module docstring for the order the skeleton calls them in)."""
 
-    name: str  # ``results["procedure"]`` and the procedure the rules guard (`fsdp_peft.settings.config.SFT` ...)
+    name: str  # ``results["procedure"]``
+    about: str  # what a message calls its recipes: "SFT", "DPO/KTO", "GRPO"
     load_data: Callable[[RecipeArguments, Any, TrainingArguments], Any]  # (recipe, tokenizer, training) -> data
     trainer: Callable[[Setup, dict], Any]  # (setup, the Trainer arguments every procedure passes) -> trainer
     before: Callable[[Any, Setup, Any], Any]  # (trainer, setup, prepared model) -> the score before training
@@ -52,6 +71,41 @@ class Procedure:
     summary_lines: Callable[[dict, Path], list[str]]  # (results, output_dir) -> the summary's own lines
     arguments: Callable[[RecipeArguments], tuple[type[TrainingArguments], dict]] = plain_arguments
     training_defaults: dict = field(default_factory=dict)  # TrainingArguments values where the config sets none
+    # the recipe keys it reads that SFT does not; another procedure's recipe refuses them
+    keys: tuple[str, ...] = ()
+    # its defaults of the keys it shares with another procedure (TRL's), where the config sets none
+    defaults: dict = field(default_factory=dict)
+    # a YAML whose recipe is unknown and that sets one of these is this procedure's config
+    recognised_by: tuple[str, ...] = ()
+    # its own rules (``rule(context) -> problem or None``), reported after the shared ones
+    rules: tuple[Callable, ...] = ()
+    # trains through TRL's trainers: their fused log-prob head; no XLA route, EVA or sequence split
+    through_trl: bool = False
+    # (recipe, training values, model config, compute bytes, tokens of one sequence per rank) -> PlannedRows;
+    # None: a row is one sequence (SFT), and the plan may also find the longest sequence that fits
+    planned_rows: Callable[[RecipeArguments, dict, Any, int, int], PlannedRows] | None = None
+
+    def with_defaults(self, recipe: RecipeArguments) -> RecipeArguments:
+        """``recipe`` with the shared keys it leaves unset (``beta``, ``loss_type``) at this procedure's defaults."""
+        unset = {key: value for key, value in self.defaults.items() if getattr(recipe, key) is None}
+        return dataclasses.replace(recipe, **unset) if unset else recipe
+
+
+def exact_match_lines(results: dict, output_dir: Path) -> list[str]:
+    """The summary lines of a procedure scored by held-out exact match (SFT, vision-language SFT): eval loss, exact
+    match before and after training, the samples' file."""
+    lines = []
+    if results["eval_loss"] is not None:
+        lines.append(f"eval loss {results['eval_loss']:.4f}")
+    if results["exact_match_after"] is not None:
+        before = results["exact_match_before"]
+        before_text = "n/a (resumed)" if before is None else f"{before:.3f}"
+        lines.append(
+            f"exact match on {results['generated_samples']} held-out prompts: "
+            f"before training {before_text}, after {results['exact_match_after']:.3f}"
+        )
+        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
+    return lines
 
 
 class ScoredBeforeTraining(TrainerCallback):

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
+from fsdp_peft.core.distributed import ranks
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.run_file_names import SAMPLES_FILE
@@ -27,16 +29,40 @@ from fsdp_peft.data.formats import Example, held_out_example, source_examples
 from fsdp_peft.data.sources import data_sources
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.data.tokenize import describe_dropped
-from fsdp_peft.procedures.procedure import Procedure, Setup
+from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
 from fsdp_peft.procedures.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
 from fsdp_peft.procedures.trainer import PeftFsdpMixin, ReferenceWithoutCopy
-from fsdp_peft.settings.config import RL, RecipeArguments
+from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.settings.fsdp_settings import RuleContext
+from fsdp_peft.settings.keys import unknown_choice
 from fsdp_peft.tools.generation import (
     GenerationSettings,
     generate_completions,
     parameters_gathered,
     parse_gather_budget,
 )
+from fsdp_peft.tools.plan import kv_cache_bytes_per_token
+from fsdp_peft.tools.validation import trl_loss_types
+
+# the keys only the GRPO recipes read (with beta and loss_type, which DPO/KTO read too, at GRPO's defaults here)
+GRPO_KEYS = (
+    "reward_funcs",
+    "reward_weights",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "steps_per_generation",
+    "num_iterations",
+    "epsilon",
+    "epsilon_high",
+    "scale_rewards",
+    "mask_truncated_completions",
+)
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 class RolloutTrainer(ReferenceWithoutCopy, PeftFsdpMixin, GRPOTrainer):
@@ -209,12 +235,96 @@ def summary_lines(results: dict, output_dir: Path) -> list[str]:
     return lines
 
 
+def _rl_loss_is_known(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    if recipe.loss_type is not None and recipe.loss_type not in trl_loss_types("GRPOConfig"):
+        return unknown_choice("loss_type", recipe.loss_type, trl_loss_types("GRPOConfig"))
+    if recipe.scale_rewards not in SCALE_REWARDS:
+        return unknown_choice("scale_rewards", recipe.scale_rewards, SCALE_REWARDS)
+    return None
+
+
+def _rl_has_rewards(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    names = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else list(recipe.reward_funcs or ())
+    if not names or not all(str(name).strip() for name in names):
+        return (
+            f"reward_funcs: {recipe.reward_funcs!r} names no reward function; GRPO needs at least one (exact_answer, "
+            "math_answer, math_format, or module:function)"
+        )
+    if recipe.reward_weights is not None and len(recipe.reward_weights) != len(recipe.reward_funcs):
+        return (
+            f"reward_weights: {len(recipe.reward_weights)} weights for {len(recipe.reward_funcs)} reward functions; "
+            "give one weight per function, or none (1.0 each)"
+        )
+    return None
+
+
+def _rl_groups_fill_the_batch(context: RuleContext) -> str | None:
+    """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
+    over ``steps_per_generation`` micro-steps); a group must not be cut."""
+    recipe, training = context.recipe, context.training
+    if recipe.num_generations < 2:  # out of keys.RANGES: said there
+        return None
+    per_rank = int(training.get("per_device_train_batch_size") or 8)
+    steps = recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1)
+    batch = per_rank * ranks().world_size * steps
+    if batch % recipe.num_generations:
+        return (
+            f"num_generations: {recipe.num_generations} does not divide the generation batch of {batch} completions "
+            f"(per_device_train_batch_size {per_rank} x {ranks().world_size} ranks x steps_per_generation {steps}); "
+            "change one of them"
+        )
+    return None
+
+
+def _rl_checkpoints_on_generation_boundaries(context: RuleContext) -> str | None:
+    """TRL regenerates rollouts every ``steps_per_generation x num_iterations`` micro-steps and keeps the batch in
+    memory between; a checkpoint does not hold it, so a run resumed mid-cycle would train on new rollouts where the
+    uninterrupted one reuses the old. Checkpoints on cycle boundaries resume exactly (the RNG states restored)."""
+    recipe, training = context.recipe, context.training
+    if str(training.get("save_strategy") or "steps") != "steps":
+        return None
+    accumulation = int(training.get("gradient_accumulation_steps") or 1)
+    cycle = (recipe.steps_per_generation or accumulation) * recipe.num_iterations
+    save_steps = float(training.get("save_steps") or 500)  # below 1: a fraction of the run, not checked here
+    if save_steps >= 1 and int(save_steps) * accumulation % cycle:
+        return (
+            f"save_steps: {save_steps:g} puts checkpoints inside a rollout cycle of {cycle} micro-steps "
+            f"(steps_per_generation x num_iterations), which a resume cannot repeat; use a multiple of "
+            f"{cycle // math.gcd(cycle, accumulation)} optimizer steps"
+        )
+    return None
+
+
+def _rollouts(recipe, training: dict, model_config, compute_bytes: int, per_rank: int, tokens: int) -> PlannedRows:
+    """A row is a prompt and one sampled completion; the rollouts' KV cache is held beside the activations."""
+    sequence = recipe.max_seq_length + recipe.max_completion_length
+    sampled = per_rank * (recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1))
+    note = (
+        f"GRPO: each rank samples {sampled} completions per generate call (per_device_train_batch_size x "
+        "steps_per_generation), prompts counted at max_seq_length tokens plus max_completion_length; the "
+        "other ranks' base shards (gathered for the call, up to generate_gather_budget) and the KV cache are "
+        "counted beside the activations (generation and training do not overlap, so the total is an upper "
+        "bound); log-probs come from TRL's fused head, as for DPO"
+    )
+    cache = sampled * sequence * kv_cache_bytes_per_token(model_config, compute_bytes)
+    return PlannedRows(per_rank * sequence, cache, note)
+
+
 GRPO_PROCEDURE = Procedure(
-    name=RL,
+    name="rl",
+    about="GRPO",
     load_data=_load,
     trainer=_trainer,
     before=lambda trainer, setup, model: _score(setup, model),
     after=_after,
     summary_lines=summary_lines,
     arguments=grpo_arguments,
+    keys=(*GRPO_KEYS, "beta", "loss_type", "ref_model"),
+    defaults={"beta": 0.0, "loss_type": "dapo"},  # TRL's GRPOConfig's
+    recognised_by=GRPO_KEYS,
+    rules=(_rl_loss_is_known, _rl_has_rewards, _rl_groups_fill_the_batch, _rl_checkpoints_on_generation_boundaries),
+    through_trl=True,
+    planned_rows=_rollouts,
 )

@@ -13,9 +13,8 @@ from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.cache import load_data
 from fsdp_peft.data.packing import check_packing_keeps_examples_apart, data_collator
 from fsdp_peft.procedures.eva import initialise_eva
-from fsdp_peft.procedures.procedure import Procedure, Setup
+from fsdp_peft.procedures.procedure import Procedure, Setup, exact_match_lines
 from fsdp_peft.procedures.trainer import PeftFsdpTrainer
-from fsdp_peft.settings.config import SFT
 from fsdp_peft.tools.generation import SamplesAtEvaluation, evaluate_exact_match
 
 
@@ -65,28 +64,13 @@ def _after(trainer, setup: Setup, before: float | None, output_dir: Path) -> dic
     }
 
 
-def summary_lines(results: dict, output_dir: Path) -> list[str]:
-    """An SFT run's own summary lines: eval loss, exact match before and after training, the samples' file."""
-    lines = []
-    if results["eval_loss"] is not None:
-        lines.append(f"eval loss {results['eval_loss']:.4f}")
-    if results["exact_match_after"] is not None:
-        before = results["exact_match_before"]
-        before_text = "n/a (resumed)" if before is None else f"{before:.3f}"
-        lines.append(
-            f"exact match on {results['generated_samples']} held-out prompts: "
-            f"before training {before_text}, after {results['exact_match_after']:.3f}"
-        )
-        lines.append(f"samples: {output_dir / SAMPLES_FILE}")
-    return lines
-
-
 SFT_PROCEDURE = Procedure(
-    name=SFT,
+    name="sft",
+    about="SFT",
     load_data=load_data,
     trainer=_trainer,
     before=_before,
     after=_after,
-    summary_lines=summary_lines,
+    summary_lines=exact_match_lines,
     training_defaults={"include_num_input_tokens_seen": "non_padding"},  # the summary reports the tokens trained on
 )

@@ -29,11 +29,9 @@ from fsdp_peft.data.vision_rows import (
 from fsdp_peft.model.paths import local_model_config, resolve_model_path, tiny_colors_path
 from fsdp_peft.model.tiny_vision import load_processor
 from fsdp_peft.model.vision import is_vision_config
-from fsdp_peft.procedures.procedure import Procedure, Setup
-from fsdp_peft.procedures.sft import summary_lines
+from fsdp_peft.procedures.procedure import Procedure, Setup, exact_match_lines
 from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 from fsdp_peft.settings.choices import TINY_COLORS_NAME
-from fsdp_peft.settings.config import SFT
 from fsdp_peft.tools.generation import GenerationSettings, exact_match_of, generate_completions
 
 
@@ -125,11 +123,12 @@ def _after(trainer, setup: Setup, before: float | None, output_dir: Path) -> dic
 
 
 VISION_SFT_PROCEDURE = Procedure(
-    name=SFT,
+    name="vision_sft",
+    about="vision-language SFT",
     load_data=load_data,
     trainer=_trainer,
     before=_before,
     after=_after,
-    summary_lines=summary_lines,
+    summary_lines=exact_match_lines,
     training_defaults={"include_num_input_tokens_seen": "non_padding", "remove_unused_columns": False},
 )

@@ -267,55 +267,6 @@ class RecipeArguments:
         self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
 
 
-# the rules' names of the procedures: SFT (fsdp_peft.procedures.sft, and vision_sft whose rules are SFT's),
-# preference (.preference), RL (.rl)
-SFT, PREFERENCE, RL = "sft", "preference", "rl"
-PREFERENCE_KEYS = ("precompute_ref_log_probs", "ref_model")  # with beta and loss_type: a config that sets one is DPO's
-RL_KEYS = (  # a config that sets one is GRPO's
-    "reward_funcs",
-    "reward_weights",
-    "num_generations",
-    "max_completion_length",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "steps_per_generation",
-    "num_iterations",
-    "epsilon",
-    "epsilon_high",
-    "scale_rewards",
-    "mask_truncated_completions",
-)
-PROCEDURE_DEFAULTS = {  # keys two procedures share, with each one's default (TRL's)
-    PREFERENCE: {"beta": 0.1, "loss_type": "sigmoid"},
-    RL: {"beta": 0.0, "loss_type": "dapo"},
-}
-
-
-def procedure_of(values: dict) -> str:
-    """The procedure a config's keys belong to: GRPO's keys, else DPO/KTO's (``beta``/``loss_type`` included),
-    else SFT."""
-    if set(RL_KEYS) & values.keys():
-        return RL
-    if {*PREFERENCE_KEYS, *PROCEDURE_DEFAULTS[PREFERENCE]} & values.keys():
-        return PREFERENCE
-    return SFT
-
-
-def procedure_of_config(path: Path) -> str:
-    """The procedure of the recipe YAML at ``path`` (its includes followed): `procedure_of` its known keys (unknown
-    ones are for `read_yaml_config` to report)."""
-    return procedure_of(read_yaml_config(Path(path), problems=[]))
-
-
-def with_procedure_defaults(recipe: RecipeArguments, procedure: str) -> RecipeArguments:
-    """``recipe`` with the shared keys it leaves unset (``beta``, ``loss_type``) at ``procedure``'s defaults."""
-    unset = {key: value for key, value in PROCEDURE_DEFAULTS.get(procedure, {}).items() if getattr(recipe, key) is None}
-    return dataclasses.replace(recipe, **unset) if unset else recipe
-
-
 class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 
@@ -399,6 +350,24 @@ def read_yaml_config(path: Path, included_from: tuple[Path, ...] = (), problems:
     if base.resolve() in {p.resolve() for p in (*included_from, path)}:
         raise ConfigError(f"{path}: include: {base} includes itself (through {' -> '.join(map(str, included_from))})")
     return {**read_yaml_config(base, (*included_from, path), problems), **values}
+
+
+def config_files(path: Path) -> list[Path]:
+    """``path`` and the files its ``include:`` chain names, outermost first, as far as they read (`read_yaml_config`
+    reports what does not)."""
+    files = [Path(path)]
+    while files[-1].is_file():
+        try:
+            values = load_yaml_file(files[-1])
+            if not isinstance(values, dict) or INCLUDE_KEY not in values:
+                break
+            base = _include_path(values[INCLUDE_KEY], files[-1])
+        except ConfigError:
+            break
+        if base.resolve() in {file.resolve() for file in files}:
+            break
+        files.append(base)
+    return files
 
 
 def _beside_the_config(value, config: Path):

@@ -413,9 +413,10 @@ class RuleContext:
 
     recipe: Any  # `fsdp_peft.settings.config.RecipeArguments`
     training: dict  # the ``TrainingArguments`` values
-    procedure: str  # `fsdp_peft.settings.config.SFT`, ``PREFERENCE`` or ``RL``
+    procedure: Any  # the `fsdp_peft.procedures.procedure.Procedure` checked: rules ask its traits
     fsdp: FsdpSettings | None  # the resolved FSDP settings; None when FSDP is off or they do not resolve
     fsdp_problem: str | None = None  # why they do not resolve (one rule reports it; the others skip FSDP)
+    others: tuple = ()  # the other procedures, whose keys this one's config must not set
 
     @property
     def fsdp_in_use(self) -> bool:
@@ -423,12 +424,12 @@ class RuleContext:
         return self.fsdp is not None or launcher_asks_for_fsdp()
 
 
-def rule_context(recipe, training: dict, procedure: str) -> RuleContext:
+def rule_context(recipe, training: dict, procedure, others: tuple = ()) -> RuleContext:
     """The context of one validation: the FSDP settings resolved once."""
     try:
-        return RuleContext(recipe, training, procedure, fsdp_settings(training))
+        return RuleContext(recipe, training, procedure, fsdp_settings(training), others=others)
     except ConfigError as error:
-        return RuleContext(recipe, training, procedure, None, str(error))
+        return RuleContext(recipe, training, procedure, None, str(error), others)
 
 
 def trainer_values(args) -> dict:

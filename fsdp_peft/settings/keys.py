@@ -21,6 +21,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames
 
+from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
 from fsdp_peft.settings.four_bit import QUANT_TYPES, STORAGE_DTYPES
 
@@ -275,3 +276,11 @@ def unknown_choice(key: str, value: str, choices: tuple[str, ...]) -> str:
 def training_field_types() -> dict[str, Any]:
     """The type hints of every ``TrainingArguments`` key."""
     return field_types(TrainingArguments)
+
+
+def check_keys(recipe, training: dict) -> None:
+    """Raise one `ConfigError` listing every key of wrong type, range or choice (one per line): what a command
+    that reads the config without running it (``fsdp-peft plan``) checks."""
+    values = {**dataclasses.asdict(recipe), **training}
+    if problems := key_problems(values, field_types(type(recipe), TrainingArguments)):
+        raise ConfigError("\n       ".join(problems))

@@ -54,16 +54,16 @@ from fsdp_peft.settings.checkpointing import (
     every,
     requested,
 )
-from fsdp_peft.settings.config import PREFERENCE, RL, SFT, procedure_of_config, resolve_recipe_config
+from fsdp_peft.settings.config import resolve_recipe_config
 from fsdp_peft.settings.families import family_of_model
 from fsdp_peft.settings.four_bit import BLOCKSIZE, NESTED_BLOCKSIZE, FourBit
 from fsdp_peft.settings.fsdp_settings import asks_for_xla, fsdp_settings, mixed_precision_dtype, trainer_fsdp_arguments
-from fsdp_peft.tools.validation import check_keys
+from fsdp_peft.settings.keys import check_keys
 
 GIB = 2**30
 # TRL 1.16's fused log-prob head, which its DPO and KTO trainers use: one projection tile of at most this many
 # tokens x vocabulary columns in the compute dtype (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and
-# trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/test_plan.py checks them against the installed TRL).
+# trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/tools/test_plan.py checks them against the installed TRL).
 TRL_TOKEN_TILE = 4096
 TRL_VOCAB_TILE = 32768
 CUDA_CONTEXT_BYTES = GIB  # estimate: CUDA context, cuBLAS workspaces, allocator slack (not in torch's count)
@@ -463,8 +463,12 @@ def plan_memory(
     gpu_memory: int,
     low_memory_loading: bool | None = None,
     offload_params: bool | None = None,
+    *,
+    procedure,
 ) -> MemoryPlan:
-    """Plan the recipe config at ``config_path`` on ``world_size`` GPUs of ``gpu_memory`` bytes each.
+    """Plan the recipe config at ``config_path``, trained by ``procedure`` (its recipe's
+    `fsdp_peft.procedures.procedure.Procedure`: `fsdp_peft.procedures.registry.config_procedure`), on ``world_size``
+    GPUs of ``gpu_memory`` bytes each.
 
     FSDP and mixed-precision settings come from the YAML or, under an accelerate config, from the
     ``FSDP_*``/``ACCELERATE_*`` variables already in the environment (``fsdp-peft plan --accelerate-config``).
@@ -475,10 +479,11 @@ def plan_memory(
     recipe, training, _ = resolve_recipe_config(["--config", str(config_path)], Path(config_path), "outputs")
     if asks_for_xla(training) and not on_xla():  # a TPU config: planned per chip wherever it is planned
         with xla_assumed():
-            plan = plan_memory(config_path, world_size, gpu_memory, low_memory_loading, offload_params)
+            plan = plan_memory(
+                config_path, world_size, gpu_memory, low_memory_loading, offload_params, procedure=procedure
+            )
         plan.notes.append(f"planned for the TPU route its fsdp_config asks for ({DEVICE_VARIABLE} is not set here)")
         return plan
-    procedure = procedure_of_config(config_path)
     return plan_recipe(
         recipe, training, procedure, str(config_path), world_size, gpu_memory, low_memory_loading, offload_params
     )
@@ -487,7 +492,7 @@ def plan_memory(
 def plan_recipe(
     recipe,
     training: dict,
-    procedure: str,
+    procedure,
     label: str,
     world_size: int | None,
     gpu_memory: int,
@@ -496,8 +501,9 @@ def plan_recipe(
     offload_possible: bool = True,
 ) -> MemoryPlan:
     """`plan_memory` of resolved values: ``recipe`` (`fsdp_peft.settings.config.RecipeArguments`), ``training`` (the
-    ``TrainingArguments`` values), the ``procedure``'s name; ``label`` names the config in the output. A run plans
-    itself through this under ``activation_checkpointing: auto`` (``offload_possible``: a device to offload
+    ``TrainingArguments`` values), the ``procedure`` (`fsdp_peft.procedures.procedure.Procedure`: what one of its
+    rows puts through the model, whether it trains through TRL); ``label`` names the config in the output. A run
+    plans itself through this under ``activation_checkpointing: auto`` (``offload_possible``: a device to offload
     activations from)."""
     check_keys(recipe, training)
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -515,7 +521,7 @@ def plan_recipe(
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     peft_model = meta_peft_model(model_config, recipe)
     version = settings.version if settings is not None else 2
-    trl_trainer = procedure in (PREFERENCE, RL)
+    trl_trainer = procedure.through_trl
     counts = count_model(peft_model, recipe, shard_over, mixed, gather_bytes, version, head_in_root=trl_trainer)
 
     optim = str(training.get("optim") or "adamw_torch").lower().removeprefix("optimizernames.")
@@ -548,29 +554,11 @@ def plan_recipe(
             f"{recipe.sequence_parallel_size} of every row (tokens per rank below); packed rows under sdpa add a "
             "seq x seq boolean mask per micro-batch, not counted"
         )
-    preference = trl_trainer
     rollout_cache = 0
-    if procedure == RL:  # GRPO: a row is a prompt and one sampled completion
-        sequence = recipe.max_seq_length + recipe.max_completion_length
-        tokens = per_rank * sequence
-        sampled = per_rank * (recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1))
-        rollout_cache = sampled * sequence * kv_cache_bytes_per_token(model_config, compute_bytes)
-        notes.append(
-            f"GRPO: each rank samples {sampled} completions per generate call (per_device_train_batch_size x "
-            "steps_per_generation), prompts counted at max_seq_length tokens plus max_completion_length; the "
-            "other ranks' base shards (gathered for the call, up to generate_gather_budget) and the KV cache are "
-            "counted beside the activations (generation and training do not overlap, so the total is an upper "
-            "bound); log-probs come from TRL's fused head, as for DPO"
-        )
-    elif preference:  # DPO: a pair is chosen + rejected
-        tokens *= 2
-        notes.append(
-            "preference (DPO): each pair is 2 sequences (chosen + rejected), counted in the tokens per rank; "
-            "the reference pass (same model, adapter disabled, no grad) runs before the policy's forward and "
-            "keeps nothing for backward; no second copy of the base; log-probs come from TRL's fused head (tiles "
-            f"of {TRL_TOKEN_TILE} tokens x {TRL_VOCAB_TILE} vocabulary columns, never the full logits), whatever "
-            "loss_chunk_tokens says"
-        )
+    if procedure.planned_rows is not None:  # not one sequence a row: DPO's pairs, GRPO's prompt + completion
+        rows = procedure.planned_rows(recipe, training, model_config, compute_bytes, per_rank, tokens)
+        tokens, rollout_cache = rows.tokens, rows.cache_bytes
+        notes += [rows.note] if rows.note else []
     xla = xla_plan(trainer_fsdp_arguments(training).get("fsdp_config"), ranks, tokens)
     if xla is not None:  # TPU chips as ranks: fsdp_peft.core.xla
         fsdp, xla_checkpointing, tokens = xla
@@ -595,7 +583,7 @@ def plan_recipe(
         offload_params=offload,
         optimizer=optim,
         counts=counts,
-        preference=preference,
+        preference=trl_trainer,
         notes=notes,
         checkpointable_layers=layers,
         checkpointing_reason=reason,
@@ -616,7 +604,7 @@ def plan_recipe(
     if chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
         chunk_tokens = 0
         notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {unavailable}")
-    if preference:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
+    if trl_trainer:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
         chunk_tokens = TRL_TOKEN_TILE
     layer_ranks = counts.layer_adapter_ranks
     plan.gpu["activations (est.)"] = activation_bytes(
@@ -624,7 +612,7 @@ def plan_recipe(
     )
     plan.gpu["loss logits, transient (est.)"] = (
         min(tokens, TRL_TOKEN_TILE) * min(model_config.get_text_config().vocab_size, TRL_VOCAB_TILE) * compute_bytes
-        if preference
+        if trl_trainer
         else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     )
     if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.tools.generation.parameters_gathered)
@@ -661,7 +649,7 @@ def plan_recipe(
 
         least = choose_checkpointing(plan, activations, offload_possible, vision)
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
-    if procedure == SFT and xla is None:
+    if procedure.planned_rows is None and xla is None:
         plan.longest_sequence = longest_sequence(
             plan, model_config, recipe, per_rank, compute_bytes, chunk_tokens, least
         )
@@ -850,7 +838,7 @@ def device_memory(recipe) -> int | None:
     return torch.cuda.get_device_properties(distributed.ranks().local_rank).total_memory
 
 
-def run_checkpointing(recipe, training: dict, procedure: str, source) -> tuple[CheckpointingChoice, dict]:
+def run_checkpointing(recipe, training: dict, procedure, source) -> tuple[CheckpointingChoice, dict]:
     """What a run checkpoints, and the training values that make transformers do it: the config's own setting, or
     under ``auto`` the plan's choice on this launch's ranks and device (refused, before any weights, when not even
     the least memory of the choices fits)."""

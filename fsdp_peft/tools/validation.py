@@ -2,9 +2,11 @@
 
 Each rule is a small function of one context (`fsdp_peft.settings.fsdp_settings.RuleContext`: recipe, training values,
 procedure, the FSDP settings resolved once) returning a problem message (key, value, rule, fix) or ``None``.
-`RULES` is the one registry of them (the variants' and mixtures of experts' rules, defined beside what they guard,
-included), each with the procedures it guards (SFT, preference, RL); `check_before_training` runs a procedure's
-rules for the recipe and for ``fsdp-peft validate`` alike, and reports every problem at once, in registry order.
+`RULES` is the one registry of the rules every procedure shares (the variants' and mixtures of experts' rules,
+defined beside what they guard, included), each with a guard: a predicate of the procedure's traits
+(`fsdp_peft.procedures.procedure.Procedure`), never a list of names. A procedure's own rules are its own
+(``Procedure.rules``) and follow the shared ones. `check_before_training` runs them for the recipe and for
+``fsdp-peft validate`` alike, and reports every problem at once, in that order.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 from fsdp_peft.parallel.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.settings.checkpointing import CHECKPOINTING_KEYS
 from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, SMOLLM2_HUB_ID, TINY_DATASET_NAME
-from fsdp_peft.settings.config import PREFERENCE, RL, SFT, unset_training_values
+from fsdp_peft.settings.config import unset_training_values
 from fsdp_peft.settings.families import FAMILIES, family_for, lora_targets
 from fsdp_peft.settings.fsdp_settings import (
     RuleContext,
@@ -84,7 +86,6 @@ from fsdp_peft.settings.fsdp_settings import (
 from fsdp_peft.settings.keys import (
     field_types,
     ill_typed_keys,
-    key_problems,
     type_problems,
     unknown_choice,
     value_problems,
@@ -283,7 +284,7 @@ def _vision_keys_fit_the_model(context: RuleContext) -> str | None:
     if not is_vision_config(config):
         asked = next((key for key in VISION_ONLY_KEYS if getattr(recipe, key)), None)
         return asked and f"{asked}: {name} is not a vision-language model (it has no vision tower); remove {asked}"
-    if context.procedure != SFT:
+    if context.procedure.through_trl:
         return (
             f"model_name_or_path: {name} is a vision-language model; its preference and GRPO recipes are not built "
             "yet: fine-tune it with recipes/qwen_vl_lora.py or recipes/gemma3_vl_lora.py (docs/vision.md)"
@@ -567,90 +568,6 @@ def trl_loss_types(config_name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(values))
 
 
-def preference_loss_types() -> tuple[str, ...]:
-    """DPO's losses, then KTO's (which train on rated completions, not pairs)."""
-    return trl_loss_types("DPOConfig") + trl_loss_types("KTOConfig")
-
-
-def _preference_loss_is_known(context: RuleContext) -> str | None:
-    recipe = context.recipe
-    if recipe.loss_type is not None and recipe.loss_type not in preference_loss_types():
-        return unknown_choice("loss_type", recipe.loss_type, preference_loss_types())
-    return None
-
-
-def _preference_beta_is_positive(context: RuleContext) -> str | None:
-    recipe = context.recipe
-    if recipe.beta == 0:  # below 0: out of keys.RANGES, said there
-        return f"beta: must be above 0 for DPO/KTO (the reference's pull), got {recipe.beta}"
-    return None
-
-
-SCALE_REWARDS = ("group", "batch", "none")
-
-
-def _rl_loss_is_known(context: RuleContext) -> str | None:
-    recipe = context.recipe
-    if recipe.loss_type is not None and recipe.loss_type not in trl_loss_types("GRPOConfig"):
-        return unknown_choice("loss_type", recipe.loss_type, trl_loss_types("GRPOConfig"))
-    if recipe.scale_rewards not in SCALE_REWARDS:
-        return unknown_choice("scale_rewards", recipe.scale_rewards, SCALE_REWARDS)
-    return None
-
-
-def _rl_has_rewards(context: RuleContext) -> str | None:
-    recipe = context.recipe
-    names = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else list(recipe.reward_funcs or ())
-    if not names or not all(str(name).strip() for name in names):
-        return (
-            f"reward_funcs: {recipe.reward_funcs!r} names no reward function; GRPO needs at least one (exact_answer, "
-            "math_answer, math_format, or module:function)"
-        )
-    if recipe.reward_weights is not None and len(recipe.reward_weights) != len(recipe.reward_funcs):
-        return (
-            f"reward_weights: {len(recipe.reward_weights)} weights for {len(recipe.reward_funcs)} reward functions; "
-            "give one weight per function, or none (1.0 each)"
-        )
-    return None
-
-
-def _rl_groups_fill_the_batch(context: RuleContext) -> str | None:
-    """TRL samples each prompt ``num_generations`` times inside one generation batch (every rank's rows
-    over ``steps_per_generation`` micro-steps); a group must not be cut."""
-    recipe, training = context.recipe, context.training
-    if recipe.num_generations < 2:  # out of keys.RANGES: said there
-        return None
-    per_rank = int(training.get("per_device_train_batch_size") or 8)
-    steps = recipe.steps_per_generation or int(training.get("gradient_accumulation_steps") or 1)
-    batch = per_rank * ranks().world_size * steps
-    if batch % recipe.num_generations:
-        return (
-            f"num_generations: {recipe.num_generations} does not divide the generation batch of {batch} completions "
-            f"(per_device_train_batch_size {per_rank} x {ranks().world_size} ranks x steps_per_generation {steps}); "
-            "change one of them"
-        )
-    return None
-
-
-def _rl_checkpoints_on_generation_boundaries(context: RuleContext) -> str | None:
-    """TRL regenerates rollouts every ``steps_per_generation x num_iterations`` micro-steps and keeps the batch in
-    memory between; a checkpoint does not hold it, so a run resumed mid-cycle would train on new rollouts where the
-    uninterrupted one reuses the old. Checkpoints on cycle boundaries resume exactly (the RNG states restored)."""
-    recipe, training = context.recipe, context.training
-    if str(training.get("save_strategy") or "steps") != "steps":
-        return None
-    accumulation = int(training.get("gradient_accumulation_steps") or 1)
-    cycle = (recipe.steps_per_generation or accumulation) * recipe.num_iterations
-    save_steps = float(training.get("save_steps") or 500)  # below 1: a fraction of the run, not checked here
-    if save_steps >= 1 and int(save_steps) * accumulation % cycle:
-        return (
-            f"save_steps: {save_steps:g} puts checkpoints inside a rollout cycle of {cycle} micro-steps "
-            f"(steps_per_generation x num_iterations), which a resume cannot repeat; use a multiple of "
-            f"{cycle // math.gcd(cycle, accumulation)} optimizer steps"
-        )
-    return None
-
-
 def _reference_is_the_adapter_disabled_model(context: RuleContext) -> str | None:
     recipe = context.recipe
     if recipe.ref_model:
@@ -661,19 +578,9 @@ def _reference_is_the_adapter_disabled_model(context: RuleContext) -> str | None
     return None
 
 
-def _precomputed_reference_sees_the_weights(context: RuleContext) -> str | None:
-    recipe, training = context.recipe, context.training
-    if recipe.precompute_ref_log_probs and low_memory_loading_requested(training):
-        return (
-            "precompute_ref_log_probs: true runs the reference before FSDP shards the model, but with "
-            "cpu_ram_efficient_loading only rank 0 has weights then; set cpu_ram_efficient_loading: false or "
-            "precompute_ref_log_probs: false"
-        )
-    return None
-
-
 def _trl_recipes_run_off_xla(context: RuleContext) -> str | None:
-    """The TPU route (`fsdp_peft.core.xla`) is built and tested for the SFT recipes only."""
+    """The TPU route (`fsdp_peft.core.xla`) is built and tested for the recipes that train through the recipes' own
+    Trainer only."""
     if on_xla():
         return (
             f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]}: the preference and GRPO recipes do not run on XLA (TPU) "
@@ -755,73 +662,105 @@ def _eval_tasks_are_harness_tasks(context: RuleContext) -> str | None:
     return eval_tasks_problem(recipe.eval_tasks, ranks().world_size)
 
 
-EVERY = (SFT, PREFERENCE, RL)
+def every(procedure) -> bool:
+    """The guard of a rule every procedure runs."""
+    return True
 
-# Every rule, with the procedures it guards, in the order its problems are reported.
-RULES: dict[Callable, tuple[str, ...]] = {
-    _fsdp_settings_resolve: EVERY,
-    _dtype_keys_are_known: EVERY,
-    _quant_storage_is_floating_under_fsdp: EVERY,
-    _quant_storage_matches_gather_dtype: EVERY,
-    _data_files_exist: EVERY,
-    _data_settings_are_known: EVERY,
-    _output_dir_can_hold_the_run: EVERY,
-    _local_model_path_exists: EVERY,
-    _model_name_is_known: EVERY,
-    _model_config_is_a_causal_lm: EVERY,
-    _gather_budget_is_a_size: EVERY,
-    _device_memory_is_a_size: EVERY,
-    _compile_where_it_is_tested: EVERY,
-    _fsdp_needs_several_processes: EVERY,
-    _one_activation_checkpointing: EVERY,
-    _hybrid_shard_shards_in_the_cpu_mode: EVERY,
-    _prequantized_base_is_trainable: EVERY,
-    _save_only_model_needs_full_state_dict: EVERY,
-    _fsdp1_units_keep_adapters_apart: EVERY,
-    _fsdp2_size_based_wrap_shards_no_layer: EVERY,
-    _fsdp1_checkpoints_are_sharded: EVERY,
-    _offload_needs_a_cpu_optimizer: EVERY,
-    _cpu_mode_cannot_load_on_rank_0_only: EVERY,
-    _checkpoints_are_finished_by_one_rank: EVERY,
-    _parallelism_config_fills_the_launch: EVERY,
-    _preference_loss_is_known: (SFT, PREFERENCE),
-    _preference_beta_is_positive: (PREFERENCE,),
-    _rl_loss_is_known: (RL,),
-    _rl_has_rewards: (RL,),
-    _rl_groups_fill_the_batch: (RL,),
-    _rl_checkpoints_on_generation_boundaries: (RL,),
-    _reference_is_the_adapter_disabled_model: EVERY,
-    _precomputed_reference_sees_the_weights: EVERY,
-    _trl_recipes_run_off_xla: (PREFERENCE, RL),
-    _trl_recipes_run_without_eva: (PREFERENCE, RL),
-    _xla_route_can_run: (SFT,),  # the preference and GRPO recipes refuse XLA outright
-    variant_keys_are_known: EVERY,
-    eva_keeps_the_configured_ranks: EVERY,
-    eva_initialises_linear_layers_only: EVERY,
-    eva_forwards_the_loaded_model_before_sharding: EVERY,
-    init_from_base_weights_needs_the_full_precision_base: EVERY,
-    trainable_tokens_and_their_embedding_copy_exclude_each_other: EVERY,
-    fsdp1_keeps_tied_embeddings_in_the_root: EVERY,
-    new_special_tokens_are_new: EVERY,
-    new_tokens_train_as_trainable_tokens: EVERY,
-    expert_adapters_have_no_dropout: EVERY,
-    expert_adapters_are_plain_lora: EVERY,
-    expert_adapters_run_under_fsdp2: EVERY,
-    moe_keys_need_a_mixture_of_experts: EVERY,
-    moe_targets_reach_the_experts: EVERY,
-    _attention_kernel_runs_here: EVERY,
-    _architecture_has_the_attention_kernel: EVERY,
-    _eval_tasks_are_harness_tasks: EVERY,
-    sequence_split_runs_here: EVERY,
-    sequence_split_fits_the_model: EVERY,
-    _vision_keys_fit_the_model: EVERY,
+
+def through_trl(procedure) -> bool:
+    """The guard of a rule of the procedures that train through TRL's trainers."""
+    return procedure.through_trl
+
+
+def through_the_recipes_trainer(procedure) -> bool:
+    """The guard of a rule of the procedures that train through the recipes' own Trainer (SFT)."""
+    return not procedure.through_trl
+
+
+def _keys_are_the_procedures(context: RuleContext) -> str | None:
+    """A key that only other procedures read (``Procedure.keys``), set in this one's config, would be ignored: the
+    config belongs to another recipe."""
+    recipe, procedure = context.recipe, context.procedure
+    unset = type(recipe)()
+    foreign = {
+        key: [other.about for other in context.others if key in other.keys]
+        for other in context.others
+        for key in other.keys
+        if key not in procedure.keys and getattr(recipe, key) != getattr(unset, key)
+    }
+    if not foreign:
+        return None
+    readers = " or ".join(dict.fromkeys(about for abouts in foreign.values() for about in abouts))
+    first = next(iter(foreign))
+    named = ", ".join(foreign) if len(foreign) > 1 else f"{first}: {getattr(recipe, first)!r}"
+    return (
+        f"{named}: read by the {readers} recipes only, and this recipe trains {procedure.about}; launch a {readers} "
+        f"recipe with this config (`fsdp-peft ls`), or remove {'them' if len(foreign) > 1 else 'it'}"
+    )
+
+
+# Every shared rule, with its guard, in the order its problems are reported.
+RULES: dict[Callable, Callable[[object], bool]] = {
+    _keys_are_the_procedures: every,
+    _fsdp_settings_resolve: every,
+    _dtype_keys_are_known: every,
+    _quant_storage_is_floating_under_fsdp: every,
+    _quant_storage_matches_gather_dtype: every,
+    _data_files_exist: every,
+    _data_settings_are_known: every,
+    _output_dir_can_hold_the_run: every,
+    _local_model_path_exists: every,
+    _model_name_is_known: every,
+    _model_config_is_a_causal_lm: every,
+    _gather_budget_is_a_size: every,
+    _device_memory_is_a_size: every,
+    _compile_where_it_is_tested: every,
+    _fsdp_needs_several_processes: every,
+    _one_activation_checkpointing: every,
+    _hybrid_shard_shards_in_the_cpu_mode: every,
+    _prequantized_base_is_trainable: every,
+    _save_only_model_needs_full_state_dict: every,
+    _fsdp1_units_keep_adapters_apart: every,
+    _fsdp2_size_based_wrap_shards_no_layer: every,
+    _fsdp1_checkpoints_are_sharded: every,
+    _offload_needs_a_cpu_optimizer: every,
+    _cpu_mode_cannot_load_on_rank_0_only: every,
+    _checkpoints_are_finished_by_one_rank: every,
+    _parallelism_config_fills_the_launch: every,
+    _reference_is_the_adapter_disabled_model: through_trl,
+    _trl_recipes_run_off_xla: through_trl,
+    _trl_recipes_run_without_eva: through_trl,
+    _xla_route_can_run: through_the_recipes_trainer,  # the TRL recipes refuse XLA outright
+    variant_keys_are_known: every,
+    eva_keeps_the_configured_ranks: every,
+    eva_initialises_linear_layers_only: every,
+    eva_forwards_the_loaded_model_before_sharding: every,
+    init_from_base_weights_needs_the_full_precision_base: every,
+    trainable_tokens_and_their_embedding_copy_exclude_each_other: every,
+    fsdp1_keeps_tied_embeddings_in_the_root: every,
+    new_special_tokens_are_new: every,
+    new_tokens_train_as_trainable_tokens: every,
+    expert_adapters_have_no_dropout: every,
+    expert_adapters_are_plain_lora: every,
+    expert_adapters_run_under_fsdp2: every,
+    moe_keys_need_a_mixture_of_experts: every,
+    moe_targets_reach_the_experts: every,
+    _attention_kernel_runs_here: every,
+    _architecture_has_the_attention_kernel: every,
+    _eval_tasks_are_harness_tasks: every,
+    sequence_split_runs_here: every,
+    sequence_split_fits_the_model: every,
+    _vision_keys_fit_the_model: every,
 }
 
 
-def config_problems(recipe, training: dict, procedure: str = SFT) -> list[str]:
-    """All problems found by the rules that guard ``procedure``, in rule order, from one context."""
-    context = rule_context(recipe, training, procedure)
-    return [problem for rule, guarded in RULES.items() if procedure in guarded and (problem := rule(context))]
+def config_problems(recipe, training: dict, procedure, others: tuple = ()) -> list[str]:
+    """All problems found by the shared rules whose guard takes ``procedure`` (a
+    `fsdp_peft.procedures.procedure.Procedure`), then by its own, in order, from one context; ``others``: the other
+    procedures (`fsdp_peft.procedures.registry`), whose keys this one's config must not set."""
+    context = rule_context(recipe, training, procedure, others)
+    rules = [rule for rule, guard in RULES.items() if guard(procedure)] + list(procedure.rules)
+    return [problem for rule in rules if (problem := rule(context))]
 
 
 def model_structure_problems(recipe) -> list[str]:
@@ -854,7 +793,7 @@ def model_structure_problems(recipe) -> list[str]:
     return problems
 
 
-def data_row_problems(recipe, procedure: str = SFT) -> list[str]:
+def data_row_problems(recipe, procedure) -> list[str]:
     """Problems with the local data's rows, found the way the launch's data step finds them (`read_source`, and for
     text SFT every row parsed as its format, bad rows counted under ``skip_invalid_rows``); hub datasets are read by
     the launch only."""
@@ -871,7 +810,7 @@ def data_row_problems(recipe, procedure: str = SFT) -> list[str]:
     problems = []
     for source in sources:
         try:
-            if procedure != SFT or vision:  # their rows are checked by their own readers at launch
+            if procedure.through_trl or vision:  # their rows are checked by their own readers at launch
                 read_source(source)
                 continue
             examples, dropped = source_examples(source, recipe.data_format, recipe.skip_invalid_rows)
@@ -882,14 +821,6 @@ def data_row_problems(recipe, procedure: str = SFT) -> list[str]:
     return problems
 
 
-def check_keys(recipe, training: dict) -> None:
-    """Raise one `ConfigError` listing every key of wrong type, range or choice (one per line): what a command
-    that reads the config without running it (``fsdp-peft plan``) checks."""
-    values = {**dataclasses.asdict(recipe), **training}
-    if problems := key_problems(values, field_types(type(recipe), TrainingArguments)):
-        raise ConfigError("\n       ".join(problems))
-
-
 def _at_their_defaults(recipe, training: dict, keys: list[str]):
     """``recipe`` and ``training`` with ``keys`` at the values they take when no config sets them."""
     fields = {field.name for field in dataclasses.fields(recipe)}
@@ -898,8 +829,11 @@ def _at_their_defaults(recipe, training: dict, keys: list[str]):
     return recipe, {key: unset.get(key) if key in keys else value for key, value in training.items()}
 
 
-def check_before_training(recipe, training: dict, with_model_structure: bool = False, procedure: str = SFT) -> None:
-    """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line); ``with_model_structure``
+def check_before_training(
+    recipe, training: dict, procedure, with_model_structure: bool = False, others: tuple = ()
+) -> None:
+    """Raise one `ConfigError` listing every problem of a ``procedure`` run (one per line; ``others``: as for
+    `config_problems`); ``with_model_structure``
     (``fsdp-peft validate``) also checks the model's architecture (`model_structure_problems`) and the data's rows
     (`data_row_problems`), which the launch checks in its own steps.
 
@@ -911,7 +845,7 @@ def check_before_training(recipe, training: dict, with_model_structure: bool = F
     if ill_typed:
         recipe, training = _at_their_defaults(recipe, training, ill_typed)
         values = {**dataclasses.asdict(recipe), **training}
-    problems = value_problems(values, hints) + config_problems(recipe, training, procedure)
+    problems = value_problems(values, hints) + config_problems(recipe, training, procedure, others)
     problems += model_structure_problems(recipe) + data_row_problems(recipe, procedure) if with_model_structure else []
     # an ill-typed key's type line speaks for it: what the rules say of its default is not the user's problem
     problems = typed + [problem for problem in problems if problem.split(":", 1)[0] not in ill_typed]

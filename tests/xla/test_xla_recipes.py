@@ -142,9 +142,9 @@ def test_the_summary_on_xla_prints_the_same_lines_as_on_the_cpu(runs):
     def summary(output_dir: Path) -> list[str]:
         results = json.loads((output_dir / "results.json").read_text())
         from fsdp_peft.procedures.ending import summary as render
-        from fsdp_peft.procedures.sft import summary_lines
+        from fsdp_peft.procedures.procedure import exact_match_lines
 
-        text = render(results, output_dir, summary_lines).replace(str(output_dir), "OUT")
+        text = render(results, output_dir, exact_match_lines).replace(str(output_dir), "OUT")
         return [re.sub(r"\d+\.\d+", "N", line) for line in text.splitlines()]
 
     cpu, xla = summary(runs["cpu"]), summary(runs["spmd2"])
@@ -235,7 +235,7 @@ def test_the_optimizer_fix_is_needed_and_applies(tmp_path):
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*/tpu_*.yaml")), ids=lambda p: p.name)
 def test_tpu_configs_validate_on_xla_and_open_with_their_header(config, monkeypatch, capsys):
-    from fsdp_peft.tools import cli
+    from fsdp_peft import cli
 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     cli.main(["validate", str(config)])
@@ -251,7 +251,7 @@ def test_tpu_config_headers_give_the_plans_hbm_per_chip(monkeypatch, tmp_path):
     config.json (offline, as tests/test_docs.py serves it): its total is the header's figure."""
     from test_docs import HUB_CONFIGS
 
-    from fsdp_peft.tools.plan import plan_memory
+    from fsdp_peft.procedures.registry import plan_config
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     for config in sorted((REPO / "configs").glob("*/tpu_*.yaml")):
@@ -263,6 +263,6 @@ def test_tpu_config_headers_give_the_plans_hbm_per_chip(monkeypatch, tmp_path):
         (tmp_path / config.stem / "config.json").write_text(json.dumps(HUB_CONFIGS[model]))
         local = tmp_path / config.name
         local.write_text(config.read_text().replace(model, str(tmp_path / config.stem)))
-        plan = plan_memory(local, int(command.group(2)), int(command.group(3)) * 2**30)
+        plan = plan_config(local, int(command.group(2)), int(command.group(3)) * 2**30)
         assert plan.fsdp == "XLA FSDP v2 (SPMD)" and plan.activation_checkpointing and plan.fits
         assert f"Expected HBM per chip: about {plan.gpu_total / 2**30:.1f} GiB" in header, plan.gpu_total / 2**30

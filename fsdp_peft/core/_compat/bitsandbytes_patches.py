@@ -145,8 +145,8 @@ def bitsandbytes_cpu_dequantize_4bit():
 
 def _misplaces_block_scales() -> bool:
     """bitsandbytes' own CPU kernel on the smallest failing shape (two rows of 96 values, blocks of 64): does the
-    result differ from the same bytes dequantized in block-aligned rows? (tests/test_four_bit.py holds both against
-    the reference decoder.)"""
+    result differ from the same bytes dequantized in block-aligned rows? (tests/model/test_four_bit.py holds both
+    against the reference decoder.)"""
     import bitsandbytes.functional as bnb_functional  # lazy: only QLoRA needs bitsandbytes
 
     weight = torch.linspace(-1, 1, 192).reshape(2, 96)

@@ -218,7 +218,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "accelerate.commands.launch:_validate_launch_command",
         ("args",),
-        "fsdp_peft.tools.cli.launcher_environment",
+        "fsdp_peft.cli.launcher_environment",
         "`fsdp-peft validate/plan --accelerate-config` derive each rank's environment as the launcher would",
         "accelerate exposes the launch environment publicly",
     ),

@@ -275,7 +275,7 @@ def test_the_4bit_base_predicts_real_text_as_its_reference_decode_and_near_the_1
     (bf16_kl, _), (nf4_kl, nf4_agree), (decode_kl, decode_agree) = figures.values()
     assert decode_kl <= 2 * bf16_kl and decode_agree >= 0.95  # the same weights: bf16 rounding apart
     # The figure docs/real_model.md gives (measured 0.248 nats, agreement 0.712), held loosely: it follows the CPU's
-    # bf16 kernels (bf16 figures moved 2.5x between two machines of this project: tests/test_vision.py) and is a
+    # bf16 kernels (bf16 figures moved 2.5x between two machines of this project: tests/model/test_vision.py) and is a
     # property of NF4 on this model, not of fsdp-peft; the claim on fsdp-peft's side is the decode bound above.
     assert nf4_kl <= 0.4 and nf4_agree >= 0.6
     assert nf4_kl > 10 * bf16_kl  # the 4-bit rounding is what the figure measures, not bf16's

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import REPO, launch_recipe, read_json
-from fsdp_peft.tools.cli import _environment, launcher_environment, main
-from fsdp_peft.tools.plan import plan_memory
+from fsdp_peft.cli import _environment, launcher_environment, main
+from fsdp_peft.procedures.registry import plan_config
 
 CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 RECIPES = {
@@ -37,7 +37,7 @@ def recipe_config(tmp_path: Path, method: str, **overrides) -> Path:
 def plan_for(config: Path, world_size: int, gpu_memory: int = 80 * 2**30):
     launcher = launcher_environment(CPU_FSDP2) if world_size > 1 else {}
     with _environment(launcher):
-        return plan_memory(config, world_size, gpu_memory)
+        return plan_config(config, world_size, gpu_memory)
 
 
 @pytest.fixture(scope="module")
@@ -213,10 +213,10 @@ def test_a_tpu_config_is_planned_per_chip_without_an_xla_device(config, monkeypa
     ranks, SPMD), exactly what the plan gives with it set, and the plan says it assumed the route."""
     path = REPO / "configs" / "llama_lora" / config
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    anywhere = plan_memory(path, 8, 16 * 2**30)
+    anywhere = plan_config(path, 8, 16 * 2**30)
     assert "PJRT_DEVICE" not in os.environ  # set for the plan alone
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    on_tpu = plan_memory(path, 8, 16 * 2**30)
+    on_tpu = plan_config(path, 8, 16 * 2**30)
     assert anywhere.fsdp == on_tpu.fsdp == "XLA FSDP v2 (SPMD)"
     assert anywhere.gpu_total == on_tpu.gpu_total
     assert anywhere.notes == [
@@ -228,7 +228,7 @@ def test_a_tpu_config_is_planned_per_chip_without_an_xla_device(config, monkeypa
 def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_its_bf16_bytes():
     """Qwen3-30B-A3B's experts are 94% of its weights: quantized with them (fsdp_peft.model.moe_quantization), the base
     a GPU holds is its shard of the 4-bit rows and linear layers, the bf16 embeddings and head, and the constants."""
-    plan = plan_memory(REPO / "configs" / "qwen_moe_qlora" / "qwen3_30b_a3b.yaml", 2, 24 * 2**30)
+    plan = plan_config(REPO / "configs" / "qwen_moe_qlora" / "qwen3_30b_a3b.yaml", 2, 24 * 2**30)
     counts = plan.counts
     assert counts.expert_parameters / counts.base_parameters > 0.9
     base = counts.base_bytes + counts.quantization_constant_bytes
@@ -239,11 +239,11 @@ def test_the_qwen3_30b_a3b_qlora_plan_stores_its_whole_base_in_at_most_0_3_of_it
 
 def test_ordinary_loading_puts_the_whole_model_on_each_gpu_and_the_verdict_says_when_that_decides(monkeypatch):
     """Ordinary loading reads the whole model onto each GPU before FSDP shards it (then frees each unit's weights as
-    it is sharded: tests/test_loading.py); low-memory loading gives each GPU its shards only."""
+    it is sharded: tests/model/test_loading.py); low-memory loading gives each GPU its shards only."""
     config = REPO / "configs" / "llama_lora" / "llama3_1_8b.yaml"  # Llama 3.1 8B's shipped config: no network
     fsdp2 = REPO / "configs" / "accelerate" / "fsdp2.yaml"
     with _environment(launcher_environment(fsdp2)):
-        plan = plan_memory(config, 2, 16 * 2**30)
+        plan = plan_config(config, 2, 16 * 2**30)
     # from the definition: the whole bf16 base, the fp32 adapters (r 16 on 7 projections x 32 layers), the largest
     # unit's shard (the 128256 x 4096 bf16 head over 2 ranks) and the CUDA context
     adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)) * 4
@@ -258,7 +258,7 @@ def test_ordinary_loading_puts_the_whole_model_on_each_gpu_and_the_verdict_says_
     low_memory = launcher_environment(fsdp2)
     low_memory["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     with _environment(low_memory):
-        plan = plan_memory(config, 2, 16 * 2**30)
+        plan = plan_config(config, 2, 16 * 2**30)
     assert plan.gpu_loading == 0 and plan.fits
 
 
@@ -303,7 +303,7 @@ def test_each_real_config_states_the_memory_its_named_plan_command_prints(config
     assert words[2] == str(config.relative_to(REPO)), f"{config}: its plan command plans another config: {command}"
     assert f"--gpus {gpus} --gpu-memory {size}GB" in command, f"{config}: plan it on its hardware: {command}"
     try:
-        main([*words[1:], "--json"])  # as a shell runs it: the accelerate config, its flags, then plan_memory
+        main([*words[1:], "--json"])  # as a shell runs it: the accelerate config, its flags, then plan_config
     except SystemExit as exit:
         assert exit.code == 0, f"{config}: {command} says it does not fit: {capsys.readouterr().out[-600:]}"
     plan = json.loads(capsys.readouterr().out)
@@ -337,6 +337,7 @@ def test_plan_flags_override_the_accelerate_configs_loading_and_offload_and_say_
 def test_auto_leaves_every_layer_to_fsdps_own_checkpointing(tmp_path):
     """With fsdp_activation_checkpointing (accelerate's checkpoint wrapper on every layer) the plan does not choose
     layers of its own under auto, however little memory there is: the run would checkpoint them a second time."""
+    from fsdp_peft.procedures.sft import SFT_PROCEDURE
     from fsdp_peft.settings.config import resolve_recipe_config
     from fsdp_peft.tools.plan import plan_recipe
 
@@ -344,6 +345,7 @@ def test_auto_leaves_every_layer_to_fsdps_own_checkpointing(tmp_path):
     recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, str(tmp_path))
     launcher = {**launcher_environment(CPU_FSDP2), "FSDP_ACTIVATION_CHECKPOINTING": "true"}
     with _environment(launcher):
-        plan = plan_recipe(recipe, training, "sft", str(config), 2, 2**30)  # tight: auto alone would choose layers
+        # tight: auto alone would choose layers
+        plan = plan_recipe(recipe, training, SFT_PROCEDURE, str(config), 2, 2**30)
     assert plan.checkpointing.count == plan.checkpointable_layers == 4 and plan.checkpointing_choices == []
     assert plan.checkpointing_reason == "fsdp_activation_checkpointing: true (FSDP's own, every layer)"

@@ -17,9 +17,9 @@ from fsdp_peft.data.packing import check_packing_keeps_examples_apart
 from fsdp_peft.model import attention
 from fsdp_peft.model.attention import architecture_problem, attention_problem, chosen_attention, model_class_named
 from fsdp_peft.model.modeling import load_base_model
+from fsdp_peft.procedures.registry import plan_config
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.settings.config import RecipeArguments
-from fsdp_peft.tools.plan import plan_memory
 
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 # A Llama whose class has no kernel but eager (as many remote-code models): transformers falls back to eager
@@ -138,7 +138,7 @@ def test_a_remote_code_class_is_resolved_offline_when_trusted_and_else_left_to_l
 def test_the_plan_notes_that_auto_runs_eager_for_gemma2(tiny_gemma2_dir, tmp_path):
     config = tmp_path / "gemma2.yaml"
     config.write_text(f"include: {LORA_TINY}\nmodel_name_or_path: {tiny_gemma2_dir}\n")
-    notes = plan_memory(config, 1, 80 * 2**30).notes
+    notes = plan_config(config, 1, 80 * 2**30).notes
     expected = "attn_implementation: auto (eager for Gemma2ForCausalLM) keeps seq x seq attention weights per layer"
     assert [note for note in notes if note.startswith("attn_implementation")] == [f"{expected}; not counted"]
 

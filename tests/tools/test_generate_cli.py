@@ -18,7 +18,7 @@ from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, run_c
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["reverse: hello", "reverse: world", "reverse: abcde"]
-CLI = [sys.executable, "-m", "fsdp_peft.tools.cli", "generate"]
+CLI = [sys.executable, "-m", "fsdp_peft.cli", "generate"]
 NEW_TOKENS = ["--max-new-tokens", "12"]
 
 
@@ -134,7 +134,7 @@ def test_sharded_checkpoint_under_accelerate_launch(trained, reference, tmp_path
         "--main_process_port",
         str(free_port()),
         "-m",
-        "fsdp_peft.tools.cli",
+        "fsdp_peft.cli",
         "generate",
         str(trained / "checkpoint-100"),
         "--prompts-file",

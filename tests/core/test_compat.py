@@ -206,7 +206,7 @@ def test_a_renamed_symbol_stops_recipes_and_commands_at_start_up(entry_point, tm
         )
     else:
         config = str(REPO / "configs" / "llama_lora" / "tiny.yaml")
-        start = f"from fsdp_peft.tools.cli import main; main(['validate', {config!r}])"
+        start = f"from fsdp_peft.cli import main; main(['validate', {config!r}])"
     result = run_command([sys.executable, "-c", rename + start], timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()

@@ -18,6 +18,10 @@ from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, 
 CATALOG_COMMANDS = ("ls", "cp")  # need neither torch nor transformers, so they answer at once
 DESCRIPTION = "tools around the fsdp-peft recipes: list, copy, check and plan configs; export, generate, evaluate"
 CONFIG_HELP = "the recipe YAML to check (a path, e.g. from `fsdp-peft cp`)"  # --help is plain text, not reST
+RECIPE_HELP = (
+    "the recipe you will launch the config with (e.g. llama_dpo): its procedure's rules and memory; default: the "
+    "recipe of configs/<recipe>/, else the procedure the config's keys name"
+)
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
 
 
@@ -72,24 +76,25 @@ def _environment(values: dict[str, str]):
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """The rules see the launch (world size included); ``TrainingArguments`` is then built in this one
-    process, as it would refuse to start a process group of several ranks here."""
+    """The rules see the launch (world size included) and the procedure of the recipe the config is for; then
+    ``TrainingArguments`` is built in this one process, as it would refuse to start a process group of several ranks
+    here."""
+    from fsdp_peft.procedures.registry import check_config, config_procedure  # lazy: ls/cp must not import torch
     from fsdp_peft.settings.config import (  # lazy: ls/cp must not import torch
         build_training_arguments,
-        procedure_of_config,
         resolve_recipe_config,
-        with_procedure_defaults,
     )
-    from fsdp_peft.tools.validation import check_before_training  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     unreadable: list[str] = []  # unknown keys and unreadable values: listed with every other problem
     argv = ["--config", str(args.config)]
     recipe, training_values, options = resolve_recipe_config(argv, args.config, "outputs", unreadable)
+    procedure, recognised = config_procedure(args.config, args.recipe)
+    if recognised:
+        print(recognised, file=sys.stderr)
     with _environment(launcher), hub_data_out_of_reach_noted():
-        procedure = procedure_of_config(args.config)  # a DPO/KTO or GRPO config by its keys, else SFT
         try:
-            check_before_training(with_procedure_defaults(recipe, procedure), training_values, True, procedure)
+            check_config(procedure.with_defaults(recipe), training_values, procedure, with_model_structure=True)
         except ConfigError as problems:
             raise ConfigError("\n       ".join([*unreadable, str(problems)])) from None
         if unreadable:
@@ -140,12 +145,13 @@ def _eval(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     """Estimate per-GPU and host memory of a recipe config from the model config alone (no weights)."""
     from fsdp_peft.core.safetensors_io import parse_size  # lazy: ls/cp must not import torch
-    from fsdp_peft.tools.plan import format_plan, plan_memory  # lazy: ls/cp must not import torch
+    from fsdp_peft.procedures.registry import plan_config  # lazy: ls/cp must not import torch
+    from fsdp_peft.tools.plan import format_plan  # lazy: ls/cp must not import torch
 
     launcher = launcher_environment(args.accelerate_config) if args.accelerate_config else {}
     size = parse_size(args.gpu_memory, "--gpu-memory")
     with _environment(launcher):
-        plan = plan_memory(args.config, args.gpus, size, args.low_memory_loading, args.offload)
+        plan = plan_config(args.config, args.gpus, size, args.low_memory_loading, args.offload, args.recipe)
     source = args.accelerate_config or "the recipe YAML"  # a flag overrides either, as accelerate launch's would
     assumed = []
     for name, flag, on, given in (
@@ -207,6 +213,7 @@ def _add_model_commands(commands) -> None:
         metavar="FILE",
         help="also check the FSDP settings of this accelerate config, as `accelerate launch` would pass them",
     )
+    validate.add_argument("--recipe", metavar="NAME", help=RECIPE_HELP)
     validate.set_defaults(run=_validate)
     plan = commands.add_parser(
         "plan",
@@ -234,6 +241,7 @@ def _add_model_commands(commands) -> None:
         action=argparse.BooleanOptionalAction,
         help="plan with fsdp_offload_params on or off; default: as the accelerate config or recipe YAML says",
     )
+    plan.add_argument("--recipe", metavar="NAME", help=RECIPE_HELP)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="merge an adapter into its base and write full weights")

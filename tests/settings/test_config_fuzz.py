@@ -6,7 +6,7 @@ in ways that cannot work; tabs and broken YAML. Then every key (each recipe key,
 sets, the preference keys on the DPO config) gets each edge value: empty string, empty list, NaN, infinities,
 -1 and 0; the ones a run can use are listed with what they mean (`MEANINGFUL_EDGES`), any other must be refused.
 Each result goes through the recipe's own config path
-(`resolve_recipe_config`, `check_before_training`, `build_training_arguments`, as ``fsdp-peft validate`` and
+(`resolve_recipe_config`, `check_config`, `build_training_arguments`, as ``fsdp-peft validate`` and
 every recipe run them) as if launched on 2 ranks. Anything but a `ConfigError` is a traceback a user would
 see; a mutation that must be refused (duplicate, out of range, wrong type, misspelling, FSDP clash) and is
 accepted is a silent acceptance. A sample of refusals also runs through the real ``fsdp-peft validate``.
@@ -26,16 +26,13 @@ import yaml
 
 from conftest import REPO, run_command
 from fsdp_peft.core.errors import ConfigError
-from fsdp_peft.settings.config import (
-    PREFERENCE_KEYS,
-    PROCEDURE_DEFAULTS,
-    RL_KEYS,
-    RecipeArguments,
-    build_training_arguments,
-    resolve_recipe_config,
-)
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.procedure import Procedure
+from fsdp_peft.procedures.registry import check_config
+from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
+from fsdp_peft.settings.config import RecipeArguments, build_training_arguments, resolve_recipe_config
 from fsdp_peft.settings.keys import training_field_types
-from fsdp_peft.tools.validation import PREFERENCE, RL, SFT, check_before_training
 
 MUTATIONS = 600
 SEED = 20261130
@@ -133,14 +130,14 @@ def edge_mutations():
             yield key, value, _dump({**base, key: value}), procedure
 
 
-def _procedure_base(key: str) -> tuple[Path, str]:
-    """The shipped config a key is mutated in, and the procedure whose rules check it: GRPO's keys in the GRPO
+def _procedure_base(key: str) -> tuple[Path, Procedure]:
+    """The shipped config a key is mutated in, and the procedure whose rules check it: GRPO's own keys in the GRPO
     default, DPO's (``beta`` and ``loss_type`` included) in the DPO default, the rest in the SFT one."""
-    if key in RL_KEYS:
-        return GRPO_BASE, RL
-    if key in PREFERENCE_KEYS or key in PROCEDURE_DEFAULTS[PREFERENCE]:
-        return DPO_BASE, PREFERENCE
-    return BASES["lora"], SFT
+    if key in GRPO_PROCEDURE.recognised_by:
+        return GRPO_BASE, GRPO_PROCEDURE
+    if key in PREFERENCE_PROCEDURE.keys:
+        return DPO_BASE, PREFERENCE_PROCEDURE
+    return BASES["lora"], SFT_PROCEDURE
 
 
 def _meaningful(key: str, value) -> bool:
@@ -204,12 +201,12 @@ def mutations(rng: random.Random):
             yield kind, base_name, text, True, None
 
 
-def validate_as_the_recipe_does(config: Path, monkeypatch, procedure: str = SFT) -> None:
+def validate_as_the_recipe_does(config: Path, monkeypatch, procedure: Procedure = SFT_PROCEDURE) -> None:
     """The recipe's config path on 2 launched ranks (torchrun's WORLD_SIZE), as `fsdp-peft validate` runs it."""
     recipe, training_values, options = resolve_recipe_config(["--config", str(config)], config, "outputs")
     with monkeypatch.context() as launched:
         launched.setenv("WORLD_SIZE", "2")
-        check_before_training(recipe, training_values, procedure=procedure)
+        check_config(procedure.with_defaults(recipe), training_values, procedure)
     build_training_arguments(training_values, options.config)
 
 
@@ -299,11 +296,13 @@ def test_fsdp_peft_validate_exits_2_with_one_line_for_a_mutation(kind, tmp_path)
     command = [
         sys.executable,
         "-m",
-        "fsdp_peft.tools.cli",
+        "fsdp_peft.cli",
         "validate",
         str(config),
         "--accelerate-config",
         str(two_ranks),
+        "--recipe",
+        "llama_lora",
     ]
     result = run_command(command, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -317,7 +316,9 @@ def test_validate_and_the_recipe_give_the_same_message_for_the_same_bad_config(k
     text = next(t for k, base, t, must, _ in mutations(rng) if k == kind and must and base != "fsdp")
     config = tmp_path / "mutated.yaml"
     config.write_text(text)
-    validate = run_command([sys.executable, "-m", "fsdp_peft.tools.cli", "validate", str(config)], timeout=300)
+    validate = run_command(
+        [sys.executable, "-m", "fsdp_peft.cli", "validate", str(config), "--recipe", "llama_lora"], timeout=300
+    )
     recipe = run_command(
         [sys.executable, str(REPO / "recipes" / "llama_lora.py"), "--config", str(config)], timeout=300
     )

@@ -1,6 +1,6 @@
 """EVA (`fsdp_peft.procedures.eva`) in one process: the pass really runs, on a 16-bit and on a 4-bit base, and sets each
 ``lora_A`` to the top right singular vectors of its layer's (centred) inputs on the chosen batches; a resumed
-run skips it. Two ranks against one process: tests/test_variants.py (the ``dora`` runs use EVA)."""
+run skips it. Two ranks against one process: tests/model/test_variants.py (the ``dora`` runs use EVA)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """New tokens (`fsdp_peft.model.new_tokens`): the key's checks, the new rows' values, the grown model peft wraps.
 
-The 2-rank run, reload, export and plan of a run with new tokens: tests/test_variants.py (the tokens variant)."""
+The 2-rank run, reload, export and plan of a run with new tokens: tests/model/test_variants.py (the tokens variant)."""
 
 from __future__ import annotations
 
@@ -88,12 +88,12 @@ def test_a_tied_head_grows_with_the_embedding_and_uses_its_trained_rows(tmp_path
 
 
 def test_plan_counts_the_grown_embedding_and_head_their_trained_rows_and_the_full_logits(tmp_path):
-    from fsdp_peft.tools.plan import plan_memory
+    from fsdp_peft.procedures.registry import plan_config
 
     plain, grown = tmp_path / "plain.yaml", tmp_path / "grown.yaml"
     plain.write_text(f"include: {LORA_TINY}\n")
     grown.write_text(f'include: {LORA_TINY}\nnew_special_tokens: ["<|tool_call|>", "<|tool_result|>"]\n')
-    before, after = plan_memory(plain, 2, 80 * 2**30), plan_memory(grown, 2, 80 * 2**30)
+    before, after = plan_config(plain, 2, 80 * 2**30), plan_config(grown, 2, 80 * 2**30)
     rows = 2 * 2 * 128  # 2 new tokens x (embedding + untied head) x hidden
     assert after.counts.base_parameters - before.counts.base_parameters == rows
     assert after.counts.adapter_parameters - before.counts.adapter_parameters == rows

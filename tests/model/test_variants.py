@@ -21,15 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
+from fsdp_peft.cli import _environment, launcher_environment
 from fsdp_peft.data.formats import read_examples
 from fsdp_peft.data.sources import data_files
 from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
 from fsdp_peft.model.new_tokens import read_new_tokens, tokenizer_directory
+from fsdp_peft.procedures.registry import plan_config
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.settings.config import RecipeArguments
-from fsdp_peft.tools.cli import _environment, launcher_environment
 from fsdp_peft.tools.export import export_merged
-from fsdp_peft.tools.plan import plan_memory
 from fsdp_peft.tools.runs import EVA_INIT_FILE
 
 STEPS = 5
@@ -339,7 +339,7 @@ def test_export_equals_peft_merge_and_unload_in_fp32(exported_run, tmp_path):
 def test_planned_bytes_per_rank_equal_the_measured_ones(run):
     accelerate_config = REPO / "configs" / "accelerate" / f"cpu_fsdp{run['version']}.yaml"
     with _environment(launcher_environment(accelerate_config)):
-        plan = plan_memory(run["config"], 2, 80 * 2**30)
+        plan = plan_config(run["config"], 2, 80 * 2**30)
     rank0 = read_json(run["dir"] / "memory.json")["ranks"][0]
     planned = {
         "parameter_bytes": plan.gpu["base weights (shard)"] + plan.gpu["adapter weights (shard)"],

@@ -6,7 +6,7 @@ One short LoRA run (90 steps at a constant rate: exact match about 0.4 on the 20
 nor 1), whose YAML names ``eval_tasks`` (the harness at the end of training), leaves every kind of source: the
 ``output_dir``, ``adapter/``, the sharded ``checkpoint-90/`` and the fp32 ``merged/`` export. Each evaluation below
 is one real harness run, shared by the tests that read it: the base's and the refusals run in this process
-(`fsdp_peft.tools.cli.main`, as the console script calls it) to spare a start-up each, the others as users start them
+(`fsdp_peft.cli.main`, as the console script calls it) to spare a start-up each, the others as users start them
 (a process of their own, torchrun).
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_recipe, read_json, run_command, torchrun_command
+from fsdp_peft.cli import main
 from fsdp_peft.data.templates import render_prompt
-from fsdp_peft.tools.cli import main
 from fsdp_peft.tools.evaluation import EVAL_FILE, default_output_dir
 from fsdp_peft.tools.runs import RUN_FILE
 
 STEPS = 90
-CLI = [sys.executable, "-m", "fsdp_peft.tools.cli", "eval"]
+CLI = [sys.executable, "-m", "fsdp_peft.cli", "eval"]
 
 
 EVAL_TASKS_YAML = """include: llama_lora/tiny.yaml

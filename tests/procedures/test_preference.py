@@ -17,11 +17,11 @@ import torch
 from datasets import Dataset
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from fsdp_peft import cli
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.preference import load_preference_data, read_preference_source
 from fsdp_peft.data.sources import Source
 from fsdp_peft.settings.config import RecipeArguments, read_yaml_config
-from fsdp_peft.tools import cli
 
 STEPS = 5
 COMMON = [
@@ -333,7 +333,7 @@ def test_results_report_preference_before_and_after(runs):
 @pytest.mark.slow
 def test_generate_and_export_work_on_dpo_output(runs, tmp_path):
     two = runs["two"]
-    command = [sys.executable, "-m", "fsdp_peft.tools.cli"]
+    command = [sys.executable, "-m", "fsdp_peft.cli"]
     generated = run_command(
         [*command, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )

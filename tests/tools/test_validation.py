@@ -9,15 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_llama_in_4bit
+from conftest import REPO, procedure_of, tiny_llama_in_4bit
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.registry import PROCEDURES
 from fsdp_peft.procedures.rl import GRPO_PROCEDURE
 from fsdp_peft.procedures.sft import SFT_PROCEDURE
+from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.settings.config import resolve_recipe_config
 from fsdp_peft.settings.fsdp_settings import fsdp_settings, rule_context
-from fsdp_peft.tools.validation import PREFERENCE, RL, RULES, SFT, _trl_recipes_run_without_eva, config_problems
+from fsdp_peft.tools.validation import (
+    RULES,
+    _trl_recipes_run_without_eva,
+    config_problems,
+    every,
+    through_the_recipes_trainer,
+    through_trl,
+)
 
 QLORA_TINY = REPO / "configs" / "llama_qlora" / "tiny.yaml"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
@@ -31,8 +40,16 @@ ACCELERATE_FSDP2 = {
 }
 ACCELERATE_FSDP1 = {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"}
 
-RULE_NAMED = {rule.__name__: rule for rule in RULES}
+OWN_RULES = {rule: procedure for procedure in PROCEDURES for rule in procedure.rules}  # each procedure's own
+RULE_NAMED = {rule.__name__: rule for rule in [*RULES, *OWN_RULES]}
 CASES = {
+    "_keys_are_the_procedures": (
+        LORA_TINY,
+        {},
+        ["--num_generations", "4"],
+        "num_generations: 4: read by the GRPO recipes only, and this recipe trains SFT; launch a GRPO recipe with "
+        "this config (`fsdp-peft ls`), or remove it",
+    ),
     "_output_dir_can_hold_the_run": (
         LORA_TINY,
         {},
@@ -442,20 +459,30 @@ TRL_REFUSALS = [
     "_trl_recipes_run_off_xla",
     "_trl_recipes_run_without_eva",
 ]
-PROCEDURES = {SFT: SFT_PROCEDURE, PREFERENCE: PREFERENCE_PROCEDURE, RL: GRPO_PROCEDURE}
 
 
-def test_every_rule_guards_a_procedure_and_only_the_trl_recipes_rules_skip_sft():
-    assert all(guarded and set(guarded) <= {SFT, PREFERENCE, RL} for guarded in RULES.values())
-    assert [rule.__name__ for rule, guarded in RULES.items() if SFT not in guarded] == [
-        "_preference_beta_is_positive",
-        "_rl_loss_is_known",
-        "_rl_has_rewards",
-        "_rl_groups_fill_the_batch",
-        "_rl_checkpoints_on_generation_boundaries",
+def test_every_rule_is_guarded_by_a_trait_of_the_procedure_or_is_one_procedures_own():
+    """Shared rules are guarded by predicates of the procedure (never by its name): only the TRL recipes' refusals
+    (and the reference model's) skip SFT, only the XLA route's skips the TRL recipes; the preference and GRPO rules are
+    their procedures' own, and no rule is both."""
+    assert set(RULES.values()) == {every, through_trl, through_the_recipes_trainer}
+    assert [rule.__name__ for rule, guard in RULES.items() if not guard(SFT_PROCEDURE)] == [
+        "_reference_is_the_adapter_disabled_model",
         *TRL_REFUSALS,
     ]
-    assert all(RULES[RULE_NAMED[name]] == (PREFERENCE, RL) for name in TRL_REFUSALS)
+    assert all(RULES[RULE_NAMED[name]] is through_trl for name in TRL_REFUSALS)
+    assert [rule.__name__ for rule, guard in RULES.items() if not guard(GRPO_PROCEDURE)] == ["_xla_route_can_run"]
+    assert {rule.__name__: procedure.name for rule, procedure in OWN_RULES.items()} == {
+        "_preference_loss_is_known": "preference",
+        "_preference_beta_is_positive": "preference",
+        "_precomputed_reference_sees_the_weights": "preference",
+        "_rl_loss_is_known": "rl",
+        "_rl_has_rewards": "rl",
+        "_rl_groups_fill_the_batch": "rl",
+        "_rl_checkpoints_on_generation_boundaries": "rl",
+    }
+    assert not set(OWN_RULES) & set(RULES)
+    assert SFT_PROCEDURE.rules == VISION_SFT_PROCEDURE.rules == ()
 
 
 def _refused(config, env, argv, procedure, monkeypatch, tmp_path) -> str:
@@ -465,7 +492,7 @@ def _refused(config, env, argv, procedure, monkeypatch, tmp_path) -> str:
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as error:
         argv = ["--config", str(config), "--output_dir", str(tmp_path), *argv]
-        parse_recipe_config(argv, config, str(tmp_path), PROCEDURES[procedure])
+        parse_recipe_config(argv, config, str(tmp_path), procedure)
     return str(error.value)
 
 
@@ -475,7 +502,8 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
     placeholders = {"{" + name + "}": path for name, path in odd_models.items()}
     for placeholder, path in placeholders.items():
         argv, message = [a.replace(placeholder, path) for a in argv], message.replace(placeholder, path)
-    procedure = RULES[RULE_NAMED[rule]][0]
+    procedure = procedure_of(config)  # the recipe of configs/<recipe>/: the procedure its launch runs
+    assert OWN_RULES.get(RULE_NAMED[rule]) is procedure or RULES[RULE_NAMED[rule]](procedure), (rule, procedure.name)
     problem = _refused(config, env, argv, procedure, monkeypatch, tmp_path)
     lines = problem.split("\n")
     assert len(lines) == 1 and lines[0].startswith(message), problem
@@ -484,7 +512,7 @@ def test_rule_rejects_its_bad_combination_with_one_line(rule, monkeypatch, tmp_p
 @pytest.mark.parametrize("rule", TRL_REFUSALS)
 def test_the_grpo_recipes_get_the_refusals_of_trls_trainers(rule, monkeypatch, tmp_path):
     _, env, argv, message = CASES[rule]
-    assert _refused(GRPO_TINY, env, argv, RL, monkeypatch, tmp_path).startswith(message)
+    assert _refused(GRPO_TINY, env, argv, GRPO_PROCEDURE, monkeypatch, tmp_path).startswith(message)
 
 
 @pytest.mark.parametrize(
@@ -497,7 +525,7 @@ def test_the_grpo_recipes_get_the_refusals_of_trls_trainers(rule, monkeypatch, t
 )
 def test_sizes_are_single_key_ranges_refused_with_one_line_and_plan_refuses_them_too(argv, message, tmp_path):
     from fsdp_peft.settings.config import resolve_recipe_config
-    from fsdp_peft.tools.validation import check_keys
+    from fsdp_peft.settings.keys import check_keys
 
     with pytest.raises(ConfigError) as error:
         parse_recipe_config(["--config", str(LORA_TINY), *argv], LORA_TINY, str(tmp_path))
@@ -565,7 +593,7 @@ def test_eva_passes_under_both_fsdp_versions_and_its_keys_are_checked(monkeypatc
     with pytest.raises(ConfigError, match=r"^init_lora_weights: eva on XLA \(PJRT_DEVICE=CPU\): its data pass is"):
         parse_recipe_config(base, LORA_TINY, str(tmp_path))
     monkeypatch.delenv("PJRT_DEVICE")
-    context = rule_context(recipe, {}, PREFERENCE)
+    context = rule_context(recipe, {}, PREFERENCE_PROCEDURE)
     assert _trl_recipes_run_without_eva(context).startswith("init_lora_weights: eva: its data pass (fsdp_peft")
 
 
@@ -600,7 +628,11 @@ def test_one_validation_resolves_the_fsdp_settings_once(monkeypatch, tmp_path):
     resolve = settings_module.fsdp_settings
     monkeypatch.setattr(settings_module, "fsdp_settings", lambda *a, **k: (calls.append(1), resolve(*a, **k))[1])
     argv = ["--output_dir", str(tmp_path), "--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 2}']
-    for config, procedure in ((LORA_TINY, SFT), (DPO_TINY, PREFERENCE), (GRPO_TINY, RL)):
+    for config, procedure in (
+        (LORA_TINY, SFT_PROCEDURE),
+        (DPO_TINY, PREFERENCE_PROCEDURE),
+        (GRPO_TINY, GRPO_PROCEDURE),
+    ):
         calls.clear()
         recipe, training_values, _ = resolve_recipe_config(argv, config, str(tmp_path))
         assert config_problems(recipe, training_values, procedure) == [
@@ -611,7 +643,7 @@ def test_one_validation_resolves_the_fsdp_settings_once(monkeypatch, tmp_path):
 
 
 def test_a_mistyped_embedded_model_name_is_refused_with_the_closest_name(monkeypatch, tmp_path):
-    problem = _refused(LORA_TINY, {}, ["--model_name_or_path", "tiny-lama"], SFT, monkeypatch, tmp_path)
+    problem = _refused(LORA_TINY, {}, ["--model_name_or_path", "tiny-lama"], SFT_PROCEDURE, monkeypatch, tmp_path)
     assert problem.startswith(
         "model_name_or_path: 'tiny-lama' is no embedded model, directory or hub id; did you mean "
         "'tiny-llama'? the models that need no hub are tiny-llama, tiny-qwen2,"
@@ -620,12 +652,12 @@ def test_a_mistyped_embedded_model_name_is_refused_with_the_closest_name(monkeyp
 
 def test_an_offline_hub_typo_gets_the_shipped_name_it_is_closest_to(monkeypatch, tmp_path):
     argv = ["--model_name_or_path", "Qwen/Qwen2.5-7B-Instrct"]
-    problem = _refused(LORA_TINY, {"HF_HUB_OFFLINE": "1"}, argv, SFT, monkeypatch, tmp_path)
+    problem = _refused(LORA_TINY, {"HF_HUB_OFFLINE": "1"}, argv, SFT_PROCEDURE, monkeypatch, tmp_path)
     assert "did you mean 'Qwen/Qwen2.5-7B-Instruct'?" in problem and "\n" not in problem, problem
 
 
 def _validate_lines(config: Path, *arguments: str) -> tuple[int, list[str]]:
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     with pytest.raises(SystemExit) as exit_code, contextlib.redirect_stderr(io.StringIO()) as stderr:
         main(["validate", str(config), *arguments])
@@ -633,7 +665,7 @@ def _validate_lines(config: Path, *arguments: str) -> tuple[int, list[str]]:
 
 
 def test_validate_passes_a_shipped_config_offline_whose_model_is_not_downloaded(monkeypatch, capsys):
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     main(["validate", str(REPO / "configs" / "qwen_qlora" / "qwen2_5_7b.yaml")])
@@ -671,7 +703,7 @@ def test_skip_invalid_rows_lets_validate_pass_rows_it_would_drop_but_not_an_all_
         f"error: {data / 'train.jsonl'}: no row left to train on (1 missing field dropped); fix the data"
     ], lines
     (data / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
-    from fsdp_peft.tools.cli import main
+    from fsdp_peft.cli import main
 
     main(["validate", str(config)])
     assert capsys.readouterr().out.strip() == f"{config}: ok"

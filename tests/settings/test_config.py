@@ -9,6 +9,7 @@ import pytest
 
 from conftest import REPO, procedure_of, run_command
 from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
 from fsdp_peft.settings.config import read_yaml_config, resolve_recipe_config
 from fsdp_peft.tools.validation import check_before_training
@@ -203,7 +204,7 @@ def test_a_relative_data_path_in_a_config_means_its_directory_then_the_working_d
     config.write_text(f"include: {LORA_TINY}\ndataset: ./missing\n")
     recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, "out")
     with pytest.raises(ConfigError) as error:
-        check_before_training(recipe, training)
+        check_before_training(recipe, training, SFT_PROCEDURE)
     assert str(error.value) == (
         "dataset: './missing' is neither 'tiny-reverse' nor a directory or data file that exists (looked beside the "
         f"config file that sets it, then in the working directory {elsewhere}); fix the path, or name a hub dataset "

@@ -248,7 +248,7 @@ def test_the_experts_take_at_most_0_3_of_their_bf16_bytes_per_rank_and_the_plan_
     import math
 
     from fsdp_peft.model.paths import tiny_model_path
-    from fsdp_peft.tools.plan import plan_memory
+    from fsdp_peft.procedures.registry import plan_config
 
     layout = read_json(qlora_runs["dir"] / "fsdp_layout.json")
     measured = sum(
@@ -260,7 +260,7 @@ def test_the_experts_take_at_most_0_3_of_their_bf16_bytes_per_rank_and_the_plan_
     bf16 = 4 * 3 * experts * width * config["hidden_size"] * 2 // 2  # 4 layers, gate_up + down, over 2 ranks
     print(f"{qlora_runs['recipe']}: experts per rank {measured} bytes in 4 bits, {bf16} in bf16: {measured / bf16:.3f}")
     assert measured <= 0.3 * bf16
-    plan = plan_memory(REPO / "configs" / qlora_runs["recipe"] / "tiny.yaml", 2, 24 * 2**30)
+    plan = plan_config(REPO / "configs" / qlora_runs["recipe"] / "tiny.yaml", 2, 24 * 2**30)
     assert plan.counts.expert_bytes == measured
 
 

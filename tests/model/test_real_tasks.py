@@ -1,6 +1,6 @@
 """The real tasks of SmolLM2-135M-Instruct (`fsdp_peft.model.real_tasks`): the splits share no question, the answers are
 right by a check that does not use the program, and the harness task reads the recipes' held-out rows. (That the
-shipped rows are the program's: tests/test_tiny.py, with every asset; the configs that train on them run in
+shipped rows are the program's: tests/model/test_tiny.py, with every asset; the configs that train on them run in
 tests/test_docs.py, as docs/real_model.md shows them.)
 """
 

@@ -35,8 +35,8 @@ COMMON = [
     "--generate_samples", "6", "--generate_batch_size", "1",  # one held-out row a call: images on one rank only
 ]  # fmt: skip
 SGD = ["--optim", "sgd", "--learning_rate", "0.1"]
-# QLoRA: 16 rows a rank, as tests/test_families.py says: with 4, bf16 rounding of the other matmul shapes alone puts
-# runs 1.4e-4 apart after 3 steps (measured here too: 1.1e-4); with 16, 3e-5
+# QLoRA: 16 rows a rank, as tests/settings/test_families.py says: with 4, bf16 rounding of the other matmul shapes
+# alone puts runs 1.4e-4 apart after 3 steps (measured here too: 1.1e-4); with 16, 3e-5
 QLORA_PER_RANK = 16
 # and a smaller step: each rank's bf16 gradient is rounded before the fp32 reduction, the one process's once over all
 # rows; lr 0.1 makes that rounding 1.3e-4 of the loss by step 3 on Gemma 3 (its inputs are scaled by sqrt(width))
@@ -332,7 +332,7 @@ def test_a_skip_list_that_matches_nothing_is_caught_and_ours_keeps_the_tower_16_
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.vision is not None], ids=lambda f: f.name)
 def test_each_vision_family_has_a_tiny_model_that_its_entry_fits(family):
-    """tests/test_families.py's check for the text families: the entry's names are the model's."""
+    """tests/settings/test_families.py's check for the text families: the entry's names are the model's."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
@@ -459,7 +459,7 @@ def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_im
     row = read_rows(source / "eval.jsonl")[1]
     answer = row["messages"][-1]["content"][0]["text"]
     command = ["accelerate", "launch", "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
-               "-m", "fsdp_peft.tools.cli", "generate", str(out), "--image", str(source / row["images"][0]),
+               "-m", "fsdp_peft.cli", "generate", str(out), "--image", str(source / row["images"][0]),
                "--prompt", QUESTION, "--max-new-tokens", "8"]  # fmt: skip
     result = run_command(command)
     assert result.returncode == 0, result.stderr[-3000:]

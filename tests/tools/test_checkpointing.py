@@ -169,13 +169,14 @@ def test_auto_under_a_memory_cap_checkpoints_the_plans_layers_and_trains_as_ever
     """2 ranks, FSDP2, fp32 LoRA: a device_memory cap under which the plan takes 2 of 4 layers; the run checkpoints
     those (memory.json counts the flags in force on each rank), says why, and its losses are the fully checkpointed
     run's (recomputation changes no number)."""
+    from fsdp_peft.procedures.sft import SFT_PROCEDURE
     from fsdp_peft.settings.config import resolve_recipe_config
     from fsdp_peft.tools.plan import plan_recipe
 
     short = {"max_steps": 4, "logging_steps": 1, "generate_samples": 0, "generate_eval_samples": 0}
     config = recipe_config(tmp_path, "lora", **short)
     recipe, training, _ = resolve_recipe_config(["--config", str(config)], config, str(tmp_path))
-    plan = plan_recipe(recipe, training, "sft", str(config), 2, 2**40, offload_possible=False)
+    plan = plan_recipe(recipe, training, SFT_PROCEDURE, str(config), 2, 2**40, offload_possible=False)
     peaks = {choice["checkpointing"]: choice["peak"] for choice in plan.checkpointing_choices}
     cap = math.ceil(peaks["2 of 4 layers"] / 0.9)  # within 90%: the fewest layers that fit it
     assert peaks["1 of 4 layers"] > 0.9 * cap  # ... and one layer is not enough

@@ -23,13 +23,14 @@ from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.model.adapter_files import BASE_FILE, base_record
 from fsdp_peft.tools.export import export_merged, nf4_round_trip
 
-CLI = [sys.executable, "-m", "fsdp_peft.tools.cli"]
+CLI = [sys.executable, "-m", "fsdp_peft.cli"]
 Q_PROJ = "model.layers.1.self_attn.q_proj"
 K_PROJ = "model.layers.1.self_attn.k_proj"
 # The real CLI export, paused after its tenth tensor (shards already on disk) until `resume` exists.
 PAUSED_EXPORT = """
 import pathlib, sys, time
-from fsdp_peft.tools import cli, export
+from fsdp_peft import cli
+from fsdp_peft.tools import export
 paused, resume = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 write = export.StreamingShardWriter.write
 def write_then_wait(self, key, tensor):

@@ -14,10 +14,11 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from conftest import REPO, last_json_line, torchrun
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.model.loss import chunked_causal_lm_loss, chunked_loss_unavailable, head_computes_loss
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.settings.config import resolve_recipe_config
 from fsdp_peft.tools.validation import check_before_training
 
-CHECK = Path(__file__).parent / "distributed" / "chunked_loss_check.py"
+CHECK = Path(__file__).parents[1] / "distributed" / "chunked_loss_check.py"
 LORA_TINY = REPO / "configs" / "llama_lora" / "tiny.yaml"
 
 
@@ -115,7 +116,7 @@ def test_a_negative_loss_chunk_size_is_refused_before_training(tmp_path):
         ["--config", str(LORA_TINY), "--output_dir", str(tmp_path), "--loss_chunk_tokens", "-1"], LORA_TINY, "x"
     )
     with pytest.raises(ConfigError, match=r"^loss_chunk_tokens: must be at least 0, got -1 \(0 turns"):
-        check_before_training(recipe, training)
+        check_before_training(recipe, training, SFT_PROCEDURE)
 
 
 @pytest.mark.slow

@@ -90,9 +90,7 @@ def test_existing_output_is_refused_unless_overwrite(adapter_dir, tmp_path):
 
 
 def test_source_that_is_none_of_the_kinds_is_a_clear_cli_error(tmp_path):
-    result = run_command(
-        [sys.executable, "-m", "fsdp_peft.tools.cli", "export", str(tmp_path), "--out", str(tmp_path / "o")]
-    )
+    result = run_command([sys.executable, "-m", "fsdp_peft.cli", "export", str(tmp_path), "--out", str(tmp_path / "o")])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"error: SOURCE: {tmp_path} is none of: an adapter directory" in result.stderr
 

@@ -230,7 +230,7 @@ def test_grpo_holds_no_second_copy_per_rank_bytes_equal_sft(sampled_runs, sft_st
 @pytest.mark.slow
 def test_generate_and_export_work_on_grpo_output(sampled_runs, tmp_path):
     run = sampled_runs["gathered"]
-    command = [sys.executable, "-m", "fsdp_peft.tools.cli"]
+    command = [sys.executable, "-m", "fsdp_peft.cli"]
     generated = run_command(
         [*command, "generate", str(run / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
@@ -260,10 +260,11 @@ def test_an_adapter_of_another_rank_is_refused_with_one_line_and_output_dir_left
 
 
 def test_plan_counts_the_rollouts_kv_cache_and_prompt_plus_completion_tokens():
-    from fsdp_peft.tools.plan import ROLLOUT_ROW, load_model_config, plan_memory
+    from fsdp_peft.procedures.registry import plan_config
+    from fsdp_peft.tools.plan import ROLLOUT_ROW, load_model_config
 
     config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
-    plan = plan_memory(config, 2, 80 * 2**30)
+    plan = plan_config(config, 2, 80 * 2**30)
     model = load_model_config("tiny-llama")
     head_size = model.hidden_size // model.num_attention_heads
     per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_size * 4  # fp32 keys and values

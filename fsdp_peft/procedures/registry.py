@@ -1,0 +1,105 @@
+"""Every procedure, and the one a recipe or a config trains by.
+
+A recipe names its procedure: ``PROCEDURE`` in ``recipes/<name>.py``, SFT where it names none (as
+`fsdp_peft.recipe.run_recipe` defaults). A config under ``configs/<recipe>/``, or one that includes such a config, is
+that recipe's, and ``fsdp-peft validate``/``plan --recipe NAME`` name one for any YAML. Only a YAML with no recipe (a
+copy from ``fsdp-peft cp``, not named) is recognised by its keys (``Procedure.recognised_by``, asked in `PROCEDURES`
+order), and the tool says so in one line. The launch never guesses: it runs its recipe's procedure, whose rules
+refuse the keys only other procedures read (`fsdp_peft.tools.validation`), so a config that ``validate`` passes for a
+recipe is one its launch takes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from fsdp_peft.core.errors import ConfigError
+from fsdp_peft.procedures.preference import PREFERENCE_PROCEDURE
+from fsdp_peft.procedures.procedure import Procedure
+from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+from fsdp_peft.procedures.sft import SFT_PROCEDURE
+from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
+from fsdp_peft.settings.catalog import CONFIGS, RECIPES
+from fsdp_peft.settings.config import config_files, read_yaml_config
+from fsdp_peft.tools.plan import MemoryPlan, plan_memory
+from fsdp_peft.tools.validation import check_before_training
+
+# every procedure, in the order a loose YAML's keys are asked (GRPO's before DPO/KTO's, which share beta and loss_type)
+PROCEDURES = (GRPO_PROCEDURE, PREFERENCE_PROCEDURE, SFT_PROCEDURE, VISION_SFT_PROCEDURE)
+
+
+def others(procedure: Procedure) -> tuple[Procedure, ...]:
+    """Every procedure but ``procedure``: the ones whose keys its config must not set."""
+    return tuple(other for other in PROCEDURES if other.name != procedure.name)
+
+
+def check_config(recipe, training: dict, procedure: Procedure, with_model_structure: bool = False) -> None:
+    """`fsdp_peft.tools.validation.check_before_training` for ``procedure``, the other procedures' keys refused."""
+    check_before_training(recipe, training, procedure, with_model_structure, others(procedure))
+
+
+def recipe_names() -> list[str]:
+    return sorted(path.stem for path in RECIPES.glob("*.py"))
+
+
+def recipe_procedure(name: str) -> Procedure:
+    """The procedure recipe ``name`` runs: its ``PROCEDURE`` (read by loading ``recipes/<name>.py``, whose launch
+    waits behind ``__main__``), else SFT."""
+    path = RECIPES / f"{name}.py"
+    if not path.is_file():
+        raise ConfigError(f"--recipe: {name!r} is no recipe; the recipes are {', '.join(recipe_names())}")
+    spec = importlib.util.spec_from_file_location(f"fsdp_peft_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, "PROCEDURE", SFT_PROCEDURE)
+
+
+def recognised(values: dict) -> Procedure:
+    """The procedure a YAML without a recipe belongs to by its keys: the first whose ``recognised_by`` it sets, else
+    SFT."""
+    return next((p for p in PROCEDURES if set(p.recognised_by) & values.keys()), SFT_PROCEDURE)
+
+
+def shipped_recipe_of(path: Path) -> str | None:
+    """The recipe whose ``configs/<recipe>/`` holds ``path`` or a file it includes (the nearest), if any."""
+    for file in config_files(Path(path)):
+        try:
+            parts = file.resolve().relative_to(CONFIGS.resolve()).parts
+        except ValueError:
+            continue
+        if len(parts) > 1 and (RECIPES / f"{parts[0]}.py").is_file():
+            return parts[0]
+    return None
+
+
+def config_procedure(path: Path, recipe: str | None = None) -> tuple[Procedure, str | None]:
+    """The procedure that trains the config at ``path``: recipe ``recipe``'s, else the shipped recipe's whose
+    ``configs/<recipe>/`` holds it, else the one its keys name; with the line that says so in that last case."""
+    name = recipe or shipped_recipe_of(path)
+    if name is not None:
+        return recipe_procedure(name), None
+    values = read_yaml_config(Path(path), problems=[])
+    procedure = recognised(values)
+    keys = [key for key in procedure.recognised_by if key in values]
+    why = f"it sets {', '.join(keys)}" if keys else "it sets no key of another procedure"
+    return procedure, (
+        f"{path}: taken for the {procedure.about} recipes ({why}); pass --recipe NAME (a name `fsdp-peft ls` lists) "
+        "to take it for the recipe you will launch it with"
+    )
+
+
+def plan_config(
+    path: Path,
+    world_size: int | None,
+    gpu_memory: int,
+    low_memory_loading: bool | None = None,
+    offload_params: bool | None = None,
+    recipe: str | None = None,
+) -> MemoryPlan:
+    """`fsdp_peft.tools.plan.plan_memory` of the config at ``path`` for the procedure that trains it
+    (`config_procedure`), the line of a procedure found by keys among its notes."""
+    procedure, recognised = config_procedure(path, recipe)
+    plan = plan_memory(path, world_size, gpu_memory, low_memory_loading, offload_params, procedure=procedure)
+    plan.notes += [recognised] if recognised else []
+    return plan
