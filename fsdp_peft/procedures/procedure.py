@@ -8,11 +8,12 @@ none importing another. The skeleton calls the parts in this order:
 
 ``arguments`` (TRL's config class, when the procedure trains through TRL) → ``load_data`` (every row checked,
 before any weights load) → the model → ``trainer`` → ``before`` (on the prepared, sharded model, at the first
-step) → train → ``after`` (the results, after the adapter is saved) → ``summary_lines`` (the summary's lines of
-those results, which ``fsdp-peft summary`` prints again from ``results.json``).
+step) → train → ``after`` (the results, after the adapter is saved, into ``results.json``) → ``summary_lines``
+(the summary's lines of those results).
 
-A procedure also owns what the config checks and the plan need of it, before any of that runs: the keys only it
-reads (``keys``, with its own ``defaults`` of the ones it shares), the keys that make a loose YAML its config
+A procedure also owns what the config checks and the plan need of it, before any of that runs: the keys it reads
+that SFT does not (``keys``, with its own ``defaults`` of the ones it shares with another), the keys that make a
+loose YAML its config
 (``recognised_by``), its own ``rules`` (run after the ones every procedure shares, `fsdp_peft.tools.validation.RULES`,
 whose guards ask the procedure's traits, never its name), whether it trains through TRL (``through_trl``), and what
 one row puts through the model (``planned_rows``). Its name is spelled in its own module only;
@@ -71,7 +72,7 @@ class Procedure:
     summary_lines: Callable[[dict, Path], list[str]]  # (results, output_dir) -> the summary's own lines
     arguments: Callable[[RecipeArguments], tuple[type[TrainingArguments], dict]] = plain_arguments
     training_defaults: dict = field(default_factory=dict)  # TrainingArguments values where the config sets none
-    # the recipe keys it reads that SFT does not; another procedure's recipe refuses them
+    # the recipe keys it reads that SFT does not; the recipe of a procedure that reads none of them refuses them
     keys: tuple[str, ...] = ()
     # its defaults of the keys it shares with another procedure (TRL's), where the config sets none
     defaults: dict = field(default_factory=dict)
@@ -81,9 +82,9 @@ class Procedure:
     rules: tuple[Callable, ...] = ()
     # trains through TRL's trainers: their fused log-prob head; no XLA route, EVA or sequence split
     through_trl: bool = False
-    # (recipe, training values, model config, compute bytes, tokens of one sequence per rank) -> PlannedRows;
-    # None: a row is one sequence (SFT), and the plan may also find the longest sequence that fits
-    planned_rows: Callable[[RecipeArguments, dict, Any, int, int], PlannedRows] | None = None
+    # (recipe, training values, model config, compute bytes, rows per rank, tokens of one sequence a row per rank)
+    # -> PlannedRows; None: a row is one sequence (SFT), and the plan may also find the longest one that fits
+    planned_rows: Callable[[RecipeArguments, dict, Any, int, int, int], PlannedRows] | None = None
 
     def with_defaults(self, recipe: RecipeArguments) -> RecipeArguments:
         """``recipe`` with the shared keys it leaves unset (``beta``, ``loss_type``) at this procedure's defaults."""

@@ -1,10 +1,11 @@
 """Every procedure, and the one a recipe or a config trains by.
 
 A recipe names its procedure: ``PROCEDURE`` in ``recipes/<name>.py``, SFT where it names none (as
-`fsdp_peft.recipe.run_recipe` defaults). A config under ``configs/<recipe>/``, or one that includes such a config, is
-that recipe's, and ``fsdp-peft validate``/``plan --recipe NAME`` name one for any YAML. Only a YAML with no recipe (a
-copy from ``fsdp-peft cp``, not named) is recognised by its keys (``Procedure.recognised_by``, asked in `PROCEDURES`
-order), and the tool says so in one line. The launch never guesses: it runs its recipe's procedure, whose rules
+`fsdp_peft.recipe.run_recipe` defaults). A config under ``configs/<recipe>/`` is that recipe's, and ``fsdp-peft
+validate``/``plan --recipe NAME`` name one for any YAML. A YAML elsewhere (a copy from ``fsdp-peft cp``, or one that
+includes a shipped config) is recognised by the keys it sets (``Procedure.recognised_by``, asked in `PROCEDURES`
+order; where it sets none, the procedure of the shipped config it includes), and the tool says so in one line unless
+the shipped config it includes agrees. The launch never guesses: it runs its recipe's procedure, whose rules
 refuse the keys only other procedures read (`fsdp_peft.tools.validation`), so a config that ``validate`` passes for a
 recipe is one its launch takes.
 """
@@ -21,7 +22,7 @@ from fsdp_peft.procedures.rl import GRPO_PROCEDURE
 from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
 from fsdp_peft.settings.catalog import CONFIGS, RECIPES
-from fsdp_peft.settings.config import config_files, read_yaml_config
+from fsdp_peft.settings.config import config_files, keys_set, read_yaml_config
 from fsdp_peft.tools.plan import MemoryPlan, plan_memory
 from fsdp_peft.tools.validation import check_before_training
 
@@ -56,35 +57,40 @@ def recipe_procedure(name: str) -> Procedure:
 
 
 def recognised(values: dict) -> Procedure:
-    """The procedure a YAML without a recipe belongs to by its keys: the first whose ``recognised_by`` it sets, else
-    SFT."""
-    return next((p for p in PROCEDURES if set(p.recognised_by) & values.keys()), SFT_PROCEDURE)
+    """The procedure a YAML's keys name: the first whose ``recognised_by`` it sets (`keys_set`: not at their
+    defaults), else SFT."""
+    given = keys_set(values)
+    return next((p for p in PROCEDURES if given & set(p.recognised_by)), SFT_PROCEDURE)
 
 
 def shipped_recipe_of(path: Path) -> str | None:
-    """The recipe whose ``configs/<recipe>/`` holds ``path`` or a file it includes (the nearest), if any."""
-    for file in config_files(Path(path)):
-        try:
-            parts = file.resolve().relative_to(CONFIGS.resolve()).parts
-        except ValueError:
-            continue
-        if len(parts) > 1 and (RECIPES / f"{parts[0]}.py").is_file():
-            return parts[0]
-    return None
+    """The recipe whose ``configs/<recipe>/`` holds ``path``, if any."""
+    try:
+        parts = Path(path).resolve().relative_to(CONFIGS.resolve()).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and (RECIPES / f"{parts[0]}.py").is_file() else None
 
 
 def config_procedure(path: Path, recipe: str | None = None) -> tuple[Procedure, str | None]:
     """The procedure that trains the config at ``path``: recipe ``recipe``'s, else the shipped recipe's whose
-    ``configs/<recipe>/`` holds it, else the one its keys name; with the line that says so in that last case."""
+    ``configs/<recipe>/`` holds it; else the one its keys name, or, where they name none, the recipe's whose config
+    it includes. The second value is the line that says so, unless an included recipe's config agrees with its
+    keys."""
     name = recipe or shipped_recipe_of(path)
     if name is not None:
         return recipe_procedure(name), None
     values = read_yaml_config(Path(path), problems=[])
-    procedure = recognised(values)
-    keys = [key for key in procedure.recognised_by if key in values]
+    keyed = recognised(values)
+    included = next(filter(None, map(shipped_recipe_of, config_files(Path(path))[1:])), None)
+    if included is not None:
+        base = recipe_procedure(included)
+        if keyed in (base, SFT_PROCEDURE):  # its keys agree, or name nothing: the included recipe's
+            return base, None
+    keys = [key for key in keyed.recognised_by if key in keys_set(values)]
     why = f"it sets {', '.join(keys)}" if keys else "it sets no key of another procedure"
-    return procedure, (
-        f"{path}: taken for the {procedure.about} recipes ({why}); pass --recipe NAME (a name `fsdp-peft ls` lists) "
+    return keyed, (
+        f"{path}: taken for the {keyed.about} recipes ({why}); pass --recipe NAME (a name `fsdp-peft ls` lists) "
         "to take it for the recipe you will launch it with"
     )
 

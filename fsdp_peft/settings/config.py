@@ -267,6 +267,16 @@ class RecipeArguments:
         self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
 
 
+def keys_set(values: dict) -> set[str]:
+    """The recipe keys of ``values`` set to something other than their default: what makes a config a procedure's
+    (`fsdp_peft.procedures.registry`). An empty value where the default is empty too (``ref_model: ""`` for none)
+    counts as unset, and so does every key at its default (``--print-config`` writes them all)."""
+    defaults = dataclasses.asdict(RecipeArguments())
+    return {
+        key for key, value in values.items() if key in defaults and value != defaults[key] and (value or defaults[key])
+    }
+
+
 class _Parser(HfArgumentParser):
     """An argument parser whose errors are `ConfigError`s (one line) instead of usage dumps."""
 

@@ -72,7 +72,7 @@ from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 from fsdp_peft.parallel.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.settings.checkpointing import CHECKPOINTING_KEYS
 from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, SMOLLM2_HUB_ID, TINY_DATASET_NAME
-from fsdp_peft.settings.config import unset_training_values
+from fsdp_peft.settings.config import keys_set, unset_training_values
 from fsdp_peft.settings.families import FAMILIES, family_for, lora_targets
 from fsdp_peft.settings.fsdp_settings import (
     RuleContext,
@@ -681,12 +681,12 @@ def _keys_are_the_procedures(context: RuleContext) -> str | None:
     """A key that only other procedures read (``Procedure.keys``), set in this one's config, would be ignored: the
     config belongs to another recipe."""
     recipe, procedure = context.recipe, context.procedure
-    unset = type(recipe)()
+    set_here = keys_set(dataclasses.asdict(recipe))
     foreign = {
         key: [other.about for other in context.others if key in other.keys]
         for other in context.others
         for key in other.keys
-        if key not in procedure.keys and getattr(recipe, key) != getattr(unset, key)
+        if key not in procedure.keys and key in set_here
     }
     if not foreign:
         return None

@@ -23,7 +23,7 @@ from fsdp_peft.procedures.rl import GRPO_PROCEDURE
 from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
 from fsdp_peft.recipe import parse_recipe_config
-from fsdp_peft.settings.config import RecipeArguments, resolve_recipe_config
+from fsdp_peft.settings.config import RecipeArguments, keys_set, resolve_recipe_config
 from fsdp_peft.tools.plan import ROLLOUT_ROW
 
 CONFIGS = REPO / "configs"
@@ -78,6 +78,39 @@ def test_a_loose_yaml_is_recognised_by_its_keys_grpo_first():
     assert recognised({"lora_r": 8}) is SFT_PROCEDURE
 
 
+def test_keys_at_their_defaults_or_empty_name_no_procedure():
+    """``--print-config`` writes every key, GRPO's too, at its default: such a YAML is still the SFT run's; an empty
+    value where the default is empty (``ref_model: ""``) sets nothing either."""
+    import dataclasses
+
+    printed = dataclasses.asdict(RecipeArguments())
+    assert keys_set(printed) == set() and recognised(printed) is SFT_PROCEDURE
+    assert keys_set({"ref_model": "", "reward_weights": None, "num_generations": 8, "beta": 0.2}) == {"beta"}
+    assert recognised({**printed, "reward_funcs": ["math_answer"], "beta": 0.0}) is GRPO_PROCEDURE
+
+
+def test_a_yaml_that_includes_a_shipped_config_is_taken_by_its_keys_first(tmp_path):
+    """An include decides only where the YAML's own keys name no other procedure: DPO keys over an SFT config are a
+    DPO config (said in one line), a vision config's copy stays vision-language SFT, a DPO config's stays DPO."""
+    over_sft = tmp_path / "dpo_on_8b.yaml"
+    over_sft.write_text("include: llama_qlora/llama3_1_8b.yaml\nbeta: 0.1\nloss_type: sigmoid\n")
+    procedure, line = config_procedure(over_sft)
+    assert procedure is PREFERENCE_PROCEDURE and line.startswith(f"{over_sft}: taken for the DPO/KTO recipes (it sets ")
+    vision = tmp_path / "vision.yaml"
+    vision.write_text("include: qwen_vl_lora/tiny.yaml\nlora_r: 4\n")
+    assert config_procedure(vision) == (VISION_SFT_PROCEDURE, None)
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text("include: llama_dpo/tiny.yaml\nbeta: 0.3\n")
+    assert config_procedure(dpo) == (PREFERENCE_PROCEDURE, None)
+
+
+def test_an_empty_ref_model_on_an_sft_config_is_no_foreign_key(tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text('include: llama_lora/tiny.yaml\nref_model: ""\n')
+    code, out, err = _validate(config)
+    assert (code, out.strip(), err) == (0, f"{config}: ok", "")
+
+
 def test_a_config_is_its_recipes_under_configs_through_an_include_or_by_name(tmp_path):
     assert config_procedure(CONFIGS / "llama_dpo" / "tiny.yaml") == (PREFERENCE_PROCEDURE, None)
     assert config_procedure(CONFIGS / "qwen_vl_lora" / "tiny.yaml") == (VISION_SFT_PROCEDURE, None)
@@ -88,7 +121,7 @@ def test_a_config_is_its_recipes_under_configs_through_an_include_or_by_name(tmp
     loose.write_text((CONFIGS / "llama_dpo" / "tiny.yaml").read_text())
     procedure, line = config_procedure(loose)
     assert procedure is PREFERENCE_PROCEDURE and line.startswith(
-        f"{loose}: taken for the DPO/KTO recipes (it sets beta, loss_type, precompute_ref_log_probs); pass --recipe"
+        f"{loose}: taken for the DPO/KTO recipes (it sets beta, loss_type); pass --recipe"
     )
     assert config_procedure(loose, "llama_lora") == (SFT_PROCEDURE, None)
 
@@ -103,7 +136,7 @@ def test_validate_checks_the_recipe_the_config_will_be_launched_with_and_says_th
     code, out, err = _validate(loose)
     assert code == 0 and out.strip() == f"{loose}: ok", (out, err)
     assert err.splitlines() == [
-        f"{loose}: taken for the DPO/KTO recipes (it sets beta, loss_type, precompute_ref_log_probs); pass --recipe "
+        f"{loose}: taken for the DPO/KTO recipes (it sets beta, loss_type); pass --recipe "
         "NAME (a name `fsdp-peft ls` lists) to take it for the recipe you will launch it with"
     ]
     refusal = (
@@ -122,7 +155,9 @@ def test_validate_checks_the_recipe_the_config_will_be_launched_with_and_says_th
 def test_a_grpo_key_in_a_dpo_config_is_refused_and_the_dpo_rules_still_run(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text("include: llama_dpo/tiny.yaml\nnum_generations: 4\nbeta: 0\n")
-    code, _, err = _validate(config)
+    code, _, err = _validate(config)  # its keys say GRPO, over DPO's include: said, and checked as GRPO's
+    assert code == 2 and err.startswith(f"{config}: taken for the GRPO recipes (it sets num_generations)")
+    code, _, err = _validate(config, "--recipe", "llama_dpo")
     assert code == 2 and err.splitlines() == [
         "error: num_generations: 4: read by the GRPO recipes only, and this recipe trains DPO/KTO; launch a GRPO "
         "recipe with this config (`fsdp-peft ls`), or remove it",
