@@ -15,14 +15,12 @@ from pathlib import Path
 
 import torch
 from datasets import load_from_disk
-from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.model.loading import low_memory_loading_requested
 from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
-from fsdp_peft.procedures.trainer import PeftFsdpMixin, ReferenceWithoutCopy
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
@@ -32,14 +30,6 @@ from fsdp_peft.tools.runs import PREFERENCE_DATA_DIR
 from fsdp_peft.tools.validation import trl_loss_types
 
 
-class PreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, DPOTrainer):
-    """TRL's `DPOTrainer` with the recipes' FSDP behaviour; the reference is the adapter-disabled policy."""
-
-
-class UnpairedPreferenceTrainer(ReferenceWithoutCopy, PeftFsdpMixin, KTOTrainer):
-    """TRL's `KTOTrainer` (``loss_type: kto``) with the recipes' FSDP behaviour, the same reference."""
-
-
 def is_unpaired(recipe: RecipeArguments) -> bool:
     """KTO's losses train on rated completions, not pairs."""
     return recipe.loss_type in trl_loss_types("KTOConfig")
@@ -47,6 +37,11 @@ def is_unpaired(recipe: RecipeArguments) -> bool:
 
 def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
     """TRL's config class (``DPOConfig``, or ``KTOConfig`` for KTO) and the fields the recipe keys set."""
+    from trl import (  # lazy: TRL only where a DPO/KTO run starts (fsdp_peft.procedures.trl_trainers)
+        DPOConfig,
+        KTOConfig,
+    )
+
     shared = {
         "beta": recipe.beta,
         "precompute_ref_log_probs": recipe.precompute_ref_log_probs,
@@ -61,7 +56,7 @@ def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
 
 
 @torch.no_grad()
-def held_out_preference(trainer: DPOTrainer, dataset, batch_size: int, pairs_path: Path | None = None) -> dict | None:
+def held_out_preference(trainer, dataset, batch_size: int, pairs_path: Path | None = None) -> dict | None:
     """Per held-out pair: policy and reference log-probs of chosen and rejected, and the implicit rewards.
 
     With ``pairs_path``, rank 0 writes them, one JSON line per pair (``[chosen, rejected]`` each).
@@ -114,7 +109,7 @@ def held_out_pairs(dataset, count: int):
     return dataset.select(range(min(count, len(dataset))))
 
 
-def policy_log_probs(trainer: DPOTrainer, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_log_probs(trainer, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of the chosen and rejected completions under the policy (adapter on), as TRL sums them."""
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
     inputs = {k: v for k, v in batch.items() if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
@@ -184,7 +179,12 @@ def _load(recipe: RecipeArguments, tokenizer, training) -> tuple:
     return train_data, eval_data, held_out
 
 
-def _trainer(setup: Setup, shared: dict) -> PreferenceTrainer | UnpairedPreferenceTrainer:
+def _trainer(setup: Setup, shared: dict):
+    from fsdp_peft.procedures.trl_trainers import (  # lazy: TRL only where a DPO/KTO run starts
+        PreferenceTrainer,
+        UnpairedPreferenceTrainer,
+    )
+
     train_data, eval_data, _ = setup.data
     trainer_class = UnpairedPreferenceTrainer if is_unpaired(setup.recipe) else PreferenceTrainer
     return trainer_class(setup.model, train_dataset=train_data, eval_dataset=eval_data, **shared)
