@@ -21,6 +21,7 @@ from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.model.loading import low_memory_loading_requested
 from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
+from fsdp_peft.procedures.trainer import trl_trainer
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
@@ -180,13 +181,9 @@ def _load(recipe: RecipeArguments, tokenizer, training) -> tuple:
 
 
 def _trainer(setup: Setup, shared: dict):
-    from fsdp_peft.procedures.trl_trainers import (  # lazy: TRL only where a DPO/KTO run starts
-        PreferenceTrainer,
-        UnpairedPreferenceTrainer,
-    )
-
     train_data, eval_data, _ = setup.data
-    trainer_class = UnpairedPreferenceTrainer if is_unpaired(setup.recipe) else PreferenceTrainer
+    # KTO's losses through TRL's KTOTrainer, the others through its DPOTrainer
+    trainer_class = trl_trainer("KTOTrainer" if is_unpaired(setup.recipe) else "DPOTrainer")
     return trainer_class(setup.model, train_dataset=train_data, eval_dataset=eval_data, **shared)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
+from fsdp_peft.core._compat.trl_patches import trl_without_the_checkpointing_warning
 from fsdp_peft.core.distributed import ranks
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
@@ -29,12 +30,15 @@ from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.data.tokenize import describe_dropped
 from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
 from fsdp_peft.procedures.rewards import check_reward_funcs, resolve_reward_funcs, reward_arguments
+from fsdp_peft.procedures.trainer import trl_trainer
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
 from fsdp_peft.tools.generation import (
     GenerationSettings,
     generate_completions,
+    parameters_gathered,
+    parse_gather_budget,
 )
 from fsdp_peft.tools.plan import kv_cache_bytes_per_token
 from fsdp_peft.tools.validation import trl_loss_types
@@ -60,9 +64,38 @@ GRPO_KEYS = (
 SCALE_REWARDS = ("group", "batch", "none")
 
 
+class GatheredRollouts:
+    """Mixed into TRL's `GRPOTrainer` (`fsdp_peft.procedures.trainer.trl_trainer`): rollouts with every FSDP2 unit
+    gathered once per call, prompts tokenized as the recipes' own generation tokenizes them."""
+
+    def __init__(self, *args, gather_budget: str = "auto", **kwargs):
+        self.gather_budget = gather_budget
+        super().__init__(*args, **kwargs)
+
+    def _tokenize_prompts(self, prompts: list):
+        """Rendered prompts (chat template applied by `fsdp_peft.data`) tokenized without added special tokens, as
+        SFT data and held-out generation tokenize them; chat prompts as TRL does."""
+        if prompts and isinstance(prompts[0], str):
+            return self.processing_class(text=prompts, add_special_tokens=False)["input_ids"], None, {}
+        return super()._tokenize_prompts(prompts)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget)."""
+        arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(*arguments)
+        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget)):
+            return super()._generate_single_turn(*arguments)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollouts and scores, without the FutureWarning its checkpointing switches raise (in `_compat`)."""
+        with trl_without_the_checkpointing_warning():
+            return super()._generate_and_score_completions(inputs)
+
+
 def grpo_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
     """TRL's ``GRPOConfig`` and the fields the recipe keys set (the shared ones at GRPO's defaults)."""
-    from trl import GRPOConfig  # lazy: TRL only where a GRPO run starts (fsdp_peft.procedures.trl_trainers)
+    from trl import GRPOConfig  # lazy: TRL only where a GRPO run starts (trainer.trl_trainer)
 
     return GRPOConfig, {
         "beta": recipe.beta,
@@ -167,11 +200,9 @@ def _load(recipe: RecipeArguments, tokenizer, training) -> tuple[Dataset, list[E
 
 
 def _trainer(setup: Setup, shared: dict):
-    from fsdp_peft.procedures.trl_trainers import RolloutTrainer  # lazy: TRL only where a GRPO run starts
-
     train_data, _, functions = setup.data
     gather_budget = setup.recipe.generate_gather_budget
-    return RolloutTrainer(
+    return trl_trainer("GRPOTrainer", GatheredRollouts)(
         setup.model, reward_funcs=functions, train_dataset=train_data, gather_budget=gather_budget, **shared
     )
 

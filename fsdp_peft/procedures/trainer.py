@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -384,3 +385,14 @@ class ReferenceWithoutCopy:
         """TRL's loss, without the FutureWarning its reference forward raises (`fsdp_peft.core._compat`)."""
         with trl_without_the_checkpointing_warning():
             return super().compute_loss(*args, **kwargs)
+
+
+@functools.cache
+def trl_trainer(base: str, *mixins: type) -> type:
+    """TRL's trainer class ``base`` (``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``) with the recipes' FSDP behaviour
+    (`PeftFsdpMixin`), the adapter-disabled policy as its reference (`ReferenceWithoutCopy`) and a procedure's own
+    ``mixins`` first, built on first use: only a DPO/KTO or GRPO run imports TRL (every recipe imports the procedures'
+    values through `fsdp_peft.procedures.registry`, and the TPU environment has no TRL)."""
+    import trl  # lazy: TRL only where a run of its trainers starts
+
+    return type(f"Recipes{base}", (*mixins, ReferenceWithoutCopy, PeftFsdpMixin, getattr(trl, base)), {})
