@@ -79,7 +79,7 @@ def timed_recipe(result_path: str) -> None:
                 record["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
             write()
 
-    class TimedRollouts(rl.RolloutTrainer):
+    class TimedRollouts(rl.rollout_trainer()):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.generation_config.min_new_tokens = self.args.max_completion_length  # the same work in every run
@@ -94,7 +94,7 @@ def timed_recipe(result_path: str) -> None:
             write()
             return completion_ids, logprobs
 
-    rl.RolloutTrainer = TimedRollouts
+    rl.rollout_trainer = lambda: TimedRollouts
     run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.GRPO_PROCEDURE)
 
 

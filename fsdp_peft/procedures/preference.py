@@ -38,7 +38,7 @@ def is_unpaired(recipe: RecipeArguments) -> bool:
 
 def preference_arguments(recipe: RecipeArguments) -> tuple[type, dict]:
     """TRL's config class (``DPOConfig``, or ``KTOConfig`` for KTO) and the fields the recipe keys set."""
-    from trl import (  # lazy: TRL only where a DPO/KTO run starts (fsdp_peft.procedures.trl_trainers)
+    from trl import (  # lazy: TRL only where a DPO/KTO run starts (trainer.trl_trainer)
         DPOConfig,
         KTOConfig,
     )

@@ -199,10 +199,16 @@ def _load(recipe: RecipeArguments, tokenizer, training) -> tuple[Dataset, list[E
     return train_data, held_out, functions
 
 
+def rollout_trainer() -> type:
+    """TRL's `GRPOTrainer` with the recipes' behaviour and `GatheredRollouts` (built on first use: TRL only where a
+    GRPO run starts); the GRPO check in tests/distributed/ and benchmarks/grpo_rollouts.py put a subclass here."""
+    return trl_trainer("GRPOTrainer", GatheredRollouts)
+
+
 def _trainer(setup: Setup, shared: dict):
     train_data, _, functions = setup.data
     gather_budget = setup.recipe.generate_gather_budget
-    return trl_trainer("GRPOTrainer", GatheredRollouts)(
+    return rollout_trainer()(
         setup.model, reward_funcs=functions, train_dataset=train_data, gather_budget=gather_budget, **shared
     )
 

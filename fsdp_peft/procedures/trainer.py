@@ -56,8 +56,7 @@ class PeftFsdpMixin:
 
     Mixed in before `transformers.Trainer` or a trainer built on it (TRL's `DPOTrainer`, `KTOTrainer`,
     `GRPOTrainer`): the recipes' trainers share this one behaviour (`PeftFsdpTrainer`,
-    `fsdp_peft.procedures.preference.PreferenceTrainer` and `UnpairedPreferenceTrainer`,
-    `fsdp_peft.procedures.rl.RolloutTrainer`).
+    `fsdp_peft.procedures.trainer.trl_trainer`: TRL's trainers, GRPO's with `fsdp_peft.procedures.rl.GatheredRollouts`).
     """
 
     head_read_directly = False  # the loss reads the output head's weight without calling it (TRL's fused head)

@@ -44,7 +44,7 @@ def fixed_completion(prompt: list[int], place: int, length: int, vocabulary: lis
     return ids[:-1] + [eos] if place % 3 == 0 else ids
 
 
-class FixedRollouts(rl.RolloutTrainer):
+class FixedRollouts(rl.rollout_trainer()):
     """The recipe's trainer with sampling replaced by `fixed_completion` and the first step's gradients saved."""
 
     grads_out: str | None = None
@@ -112,6 +112,6 @@ if __name__ == "__main__":
         at = sys.argv.index("--grads_out")
         FixedRollouts.grads_out = sys.argv[at + 1]
         del sys.argv[at : at + 2]
-    rl.RolloutTrainer = FixedRollouts
+    rl.rollout_trainer = lambda: FixedRollouts
     trl.trainer.grpo_trainer.shuffle_sequence_dict = lambda batch: batch
     run_recipe("llama_grpo", CONFIGS / "llama_grpo" / "tiny.yaml", procedure=rl.GRPO_PROCEDURE)

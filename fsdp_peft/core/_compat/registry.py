@@ -347,7 +347,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",
         ("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
-        "fsdp_peft.procedures.rl.RolloutTrainer._generate_single_turn",
+        "fsdp_peft.procedures.rl.GatheredRollouts._generate_single_turn",
         "TRL's sampling is run unchanged, inside one FSDP2 gather of every unit",
         "TRL generates from FSDP2 models with their units gathered once per call",
         mentions=("unwrap_model_for_generation", "generation_config"),
@@ -355,7 +355,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts",
         ("self", "prompts"),
-        "fsdp_peft.procedures.rl.RolloutTrainer._tokenize_prompts",
+        "fsdp_peft.procedures.rl.GatheredRollouts._tokenize_prompts",
         "prompts the recipe has rendered are tokenized without added special tokens; the result is TRL's triple",
         "TRL tokenizes rendered string prompts without adding special tokens",
         mentions=("multimodal_fields",),
@@ -363,7 +363,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
         "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions",
         ("self", "inputs"),
-        "fsdp_peft.procedures.rl.RolloutTrainer._generate_and_score_completions",
+        "fsdp_peft.procedures.rl.GatheredRollouts._generate_and_score_completions",
         "TRL's rollouts run inside fsdp_peft.core._compat.trl_patches.trl_without_the_checkpointing_warning",
         "TRL reads is_activation_checkpointing",
         mentions=("disable_gradient_checkpointing",),

@@ -17,7 +17,7 @@ def trl_without_the_checkpointing_warning():
     """Silences transformers' FutureWarning for ``is_gradient_checkpointing`` (that one alone) while TRL's trainers
     compute a loss, build (DPO: precompute reference log-probs), score held-out pairs, or make and score GRPO rollouts
     (`fsdp_peft.procedures.trainer.ReferenceWithoutCopy`, `fsdp_peft.procedures.preference.held_out_preference`,
-    `fsdp_peft.procedures.rl.RolloutTrainer`).
+    `fsdp_peft.procedures.rl.GatheredRollouts`).
 
     Why: TRL 1.16 reads the deprecated name in ``unwrap_model_for_generation`` and ``disable_gradient_checkpointing``
     around every reference forward and rollout batch, so each DPO, KTO and GRPO run printed "`is_gradient_checkpointing`
