@@ -21,7 +21,7 @@ from fsdp_peft.procedures.procedure import Procedure
 from fsdp_peft.procedures.rl import GRPO_PROCEDURE
 from fsdp_peft.procedures.sft import SFT_PROCEDURE
 from fsdp_peft.procedures.vision_sft import VISION_SFT_PROCEDURE
-from fsdp_peft.settings.catalog import CONFIGS, RECIPES
+from fsdp_peft.settings.catalog import CONFIGS, RECIPES, shipped
 from fsdp_peft.settings.config import config_files, keys_set, read_yaml_config
 from fsdp_peft.tools.plan import MemoryPlan, plan_memory
 from fsdp_peft.tools.validation import check_before_training
@@ -40,16 +40,13 @@ def check_config(recipe, training: dict, procedure: Procedure, with_model_struct
     check_before_training(recipe, training, procedure, with_model_structure, others(procedure))
 
 
-def recipe_names() -> list[str]:
-    return sorted(path.stem for path in RECIPES.glob("*.py"))
-
-
 def recipe_procedure(name: str) -> Procedure:
     """The procedure recipe ``name`` runs: its ``PROCEDURE`` (read by loading ``recipes/<name>.py``, whose launch
     waits behind ``__main__``), else SFT."""
     path = RECIPES / f"{name}.py"
     if not path.is_file():
-        raise ConfigError(f"--recipe: {name!r} is no recipe; the recipes are {', '.join(recipe_names())}")
+        recipes = [entry.name for entry in shipped() if entry.kind == "recipe"]
+        raise ConfigError(f"--recipe: {name!r} is no recipe; the recipes are {', '.join(recipes)}")
     spec = importlib.util.spec_from_file_location(f"fsdp_peft_recipe_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
