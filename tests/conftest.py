@@ -132,10 +132,31 @@ def tiny_llama_in_4bit(tiny_model_dir: Path):
     return model
 
 
+def command_environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
 def run_command(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a user-facing command the way a user would, capturing its output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = command_environment()
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_launch(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """`run_command` for a run expected to succeed, whose numbers or files the test checks: an ``accelerate launch`` or
+    ``torchrun`` of a script, ``python script.py`` or ``fsdp-peft`` runs as forked ranks of a process that has already
+    imported the stack (`warm_ranks`): the same script, over the same process group, in the environment its launcher
+    gives, without the imports. A warm run that fails runs again as `run_command` runs it, and that result is the
+    answer, so what a failure prints is the launcher's own. ``FSDP_PEFT_TEST_COLD_LAUNCHES=1``: every run cold."""
+    import warm_ranks
+
+    launch = None if os.environ.get("FSDP_PEFT_TEST_COLD_LAUNCHES") == "1" else warm_ranks.launch_of(command)
+    if launch is not None:
+        result = warm_ranks.run(launch, command_environment(), REPO, timeout)
+        if result.returncode == 0:
+            return result
+        print(f"warm run failed ({result.returncode}), run again cold:\n{result.stderr[-3000:]}", file=sys.stderr)
+    return run_command(command, timeout)
 
 
 def recipe_launch_command(
@@ -171,7 +192,7 @@ def launch_recipe(
     recipe: str, *overrides: str, processes: int = 2, accelerate_config: Path = ACCELERATE_CPU_FSDP2
 ) -> subprocess.CompletedProcess:
     """Run `recipe_launch_command`; fails the test if any rank fails."""
-    result = run_command(
+    result = run_launch(
         recipe_launch_command(recipe, *overrides, processes=processes, accelerate_config=accelerate_config)
     )
     assert result.returncode == 0, f"{recipe} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -207,7 +228,7 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
 
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
-    result = run_command(torchrun_command(str(script), *args, processes=processes))
+    result = run_launch(torchrun_command(str(script), *args, processes=processes))
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 

@@ -7,7 +7,8 @@ their commands. Each one is covered by exactly one rule:
 - ``fsdp-peft ...``: run verbatim.
 - a launch that runs on CPUs (``accelerate launch`` with a ``configs/accelerate/cpu_*`` config,
   single-node ``torchrun``, ``python recipes/X.py``): run verbatim on a free rendezvous port, a recipe
-  launch with `QUICK` appended (2 steps, no sample generation, no checkpoints unless it asks for them).
+  launch with `QUICK` appended (2 steps, no sample generation, the eval loss on 16 rows, no checkpoints
+  unless it asks for them).
 - anything else (GPUs, several nodes, Slurm, ``pip``, an editor, this test suite): `INSTEAD` maps the
   exact documented command to what runs in its place, and says why.
 
@@ -44,7 +45,7 @@ from fsdp_peft.model.paths import HUB_CONFIGS as SHIPPED_HUB_CONFIGS
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "console"}
 
-QUICK = "--max_steps 2 --generate_samples 0 --generate_eval_samples 0 --eval_strategy no"
+QUICK = "--max_steps 2 --generate_samples 0 --generate_eval_samples 0 --eval_strategy no --max_eval_samples 16"
 QUICK_NO_CHECKPOINTS = "--save_strategy no"  # appended unless the launch sets save_strategy itself
 
 QUICK_START = "accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml recipes/llama_qlora.py"

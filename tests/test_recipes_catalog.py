@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_recipe, procedure_of, read_json, run_command
+from conftest import launch_recipe, procedure_of, read_json, run_launch
 from fsdp_peft import cli
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.procedures.ending import plot_loss_curve, summary
@@ -206,7 +206,7 @@ def test_print_config_output_is_a_config_that_resolves_to_the_same_arguments(tmp
 
 
 def test_recipe_print_config_exits_before_loading_anything():
-    result = run_command([sys.executable, "recipes/qwen_qlora.py", "--print-config", "--max_steps", "3"], timeout=120)
+    result = run_launch([sys.executable, "recipes/qwen_qlora.py", "--print-config", "--max_steps", "3"], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "max_steps: 3\n" in result.stdout and "model_name_or_path: tiny-qwen2\n" in result.stdout
     assert "Loading weights" not in result.stdout + result.stderr

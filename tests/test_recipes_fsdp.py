@@ -14,7 +14,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, read_json, recipe_torchrun_command, run_command, tiny_llama_in_4bit
+from conftest import (
+    REPO,
+    launch_recipe,
+    logged_losses,
+    read_json,
+    recipe_launch_command,
+    recipe_torchrun_command,
+    run_command,
+    run_launch,
+    script_launch_command,
+    tiny_llama_in_4bit,
+    torchrun_command,
+)
 from fsdp_peft.data.formats import read_examples
 from fsdp_peft.data.sources import data_files
 from fsdp_peft.data.templates import render_prompt
@@ -99,7 +111,7 @@ def single_process_run(recipe: str, tmp_path_factory):
     if recipe not in _single_runs:
         output_dir = tmp_path_factory.mktemp(f"{recipe}_single")
         overrides = [*COMMON, "--per_device_train_batch_size", str(2 * PER_RANK_BATCH), "--output_dir", str(output_dir)]
-        result = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *overrides])
+        result = run_launch([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *overrides])
         assert result.returncode == 0, result.stderr[-4000:]
         _single_runs[recipe] = output_dir
     return _single_runs[recipe]
@@ -257,7 +269,7 @@ def test_fsdp_from_the_recipe_yaml_trains_like_the_accelerate_config_route(tmp_p
         "--fsdp_config",
         '{"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}',
     ]
-    result = run_command(recipe_torchrun_command("llama_lora", "--output_dir", str(output_dir), *COMMON, *fsdp))
+    result = run_launch(recipe_torchrun_command("llama_lora", "--output_dir", str(output_dir), *COMMON, *fsdp))
     assert result.returncode == 0, result.stderr[-4000:]
     assert read_json(output_dir / "results.json")["fsdp"] is True
     assert read_json(output_dir / "fsdp_layout.json")["units"] == EXPECTED_UNITS[2]
@@ -389,3 +401,48 @@ def test_exported_directory_loads_without_peft_and_matches_base_plus_adapter(run
     with torch.no_grad():
         want = reference(input_ids=ids).logits[0]
     assert (logits - want).abs().max() <= 1e-3
+
+
+# What torchrun's agent gives a worker and warm ranks cannot: the agent's store and its error file (there is no agent).
+AGENT_ONLY = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}
+
+
+@pytest.mark.parametrize("launcher", [script_launch_command, torchrun_command], ids=["accelerate", "torchrun"])
+def test_warm_ranks_get_the_environment_their_launcher_gives(launcher):
+    """The suite's launches run as forked ranks of a process that has imported the stack (tests/warm_ranks.py): each
+    rank's environment is what ``accelerate launch`` (its FSDP variables included) or ``torchrun`` gives it, launched
+    for real beside it, but for the agent's own store and error file."""
+    command = launcher(str(REPO / "tests" / "distributed" / "environment_check.py"))
+
+    def environments(result) -> dict:
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        return {line["rank"]: line["env"] for line in lines}
+
+    cold, warm = environments(run_command(command)), environments(run_launch(command))
+    assert sorted(cold) == sorted(warm) == ["0", "1"]
+    for rank in cold:
+        differ = {key for key in cold[rank].keys() | warm[rank].keys() if cold[rank].get(key) != warm[rank].get(key)}
+        assert differ == AGENT_ONLY, (rank, {key: (cold[rank].get(key), warm[rank].get(key)) for key in differ})
+        assert warm[rank]["TORCHELASTIC_USE_AGENT_STORE"] == "False" and warm[rank]["RANK"] == rank
+    if launcher is script_launch_command:
+        assert cold["0"]["ACCELERATE_USE_FSDP"] == "true" and cold["0"]["FSDP_VERSION"] == "2"
+
+
+def test_a_warm_launch_trains_as_the_launcher_does(tmp_path):
+    """The same QLoRA launch through ``accelerate launch`` and as warm ranks: the same losses, adapter, samples and
+    exact match, bit for bit (same processes, seed and reduction order: nothing may differ)."""
+    overrides = ["--max_steps", "3", "--logging_steps", "1", "--warmup_steps", "0", "--save_strategy", "no"]
+    overrides += ["--generate_samples", "2", "--generate_eval_samples", "16"]
+    dirs = {"cold": tmp_path / "cold", "warm": tmp_path / "warm"}
+    for name, run_it in (("cold", run_command), ("warm", run_launch)):
+        result = run_it(recipe_launch_command("llama_qlora", *overrides, "--output_dir", str(dirs[name])))
+        assert result.returncode == 0, result.stderr[-3000:]
+    cold, warm = (load_file(d / "adapter" / "adapter_model.safetensors") for d in dirs.values())
+    assert cold.keys() == warm.keys() and all(torch.equal(cold[key], warm[key]) for key in cold)
+    assert logged_losses(dirs["cold"]) == logged_losses(dirs["warm"]) and len(logged_losses(dirs["warm"])) == 3
+    for name in ("samples.jsonl", "eval_samples.jsonl"):
+        assert (dirs["cold"] / name).read_text() == (dirs["warm"] / name).read_text()
+    figures = ("train_loss", "eval_loss", "exact_match_before", "exact_match_after", "generated_samples", "tokens")
+    results = [read_json(d / "results.json") for d in dirs.values()]
+    assert [{key: r[key] for key in figures} for r in results] == [{key: results[0][key] for key in figures}] * 2

@@ -81,6 +81,8 @@ class PeftFsdpMixin:
         # last: its forward hooks should only see training forwards.
         begins = [RunBegins(run)] if run is not None else []
         callbacks = [*begins, *(callbacks or []), MemoryReport(), FsdpLayoutReport()]
+        if kwargs.get("eval_dataset") is not None and self.recipe_config.get("max_eval_samples"):
+            kwargs["eval_dataset"] = first_rows(kwargs["eval_dataset"], self.recipe_config["max_eval_samples"])
         super().__init__(*args, callbacks=callbacks, **kwargs)
         # FSDP1 flat parameters hide these names once the model is wrapped: remember them now.
         self.trainable_parameter_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -199,6 +201,13 @@ class PeftFsdpMixin:
         if dist.is_initialized():
             dist.barrier()
         return directory
+
+
+def first_rows(rows, count: int):
+    """The first ``count`` rows of a `datasets.Dataset` or a map-style torch dataset (``max_eval_samples``), before a
+    trainer prepares them: every evaluation's loss (and DPO/KTO's held-out scores) is computed on these."""
+    count = min(count, len(rows))
+    return rows.select(range(count)) if hasattr(rows, "select") else torch.utils.data.Subset(rows, range(count))
 
 
 class PeftFsdpTrainer(PeftFsdpMixin, Trainer):

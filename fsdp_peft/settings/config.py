@@ -200,6 +200,10 @@ class RecipeArguments:
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )
+    max_eval_samples: int = field(
+        default=0,
+        metadata={"help": "held-out rows each evaluation's loss is computed on (the first N); 0: all of them"},
+    )
     eval_tasks: list[str] = field(
         default_factory=list,
         metadata={

@@ -64,6 +64,7 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "generate_batch_size": _above(0, "positive"),
     "generate_samples": _at_least(0, "0 (no generation) or more"),
     "generate_eval_samples": _at_least(0, "0 (no generation) or more"),
+    "max_eval_samples": _at_least(0, "0 (every held-out row) or more"),
     "eval_tasks_steps": _at_least(0, "0 (at the end only) or more"),
     "lora_alpha": _above(0),
     "lora_dropout": _fraction(),

@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import REPO, free_port, run_command
+from conftest import REPO, free_port, run_launch
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data import cache, sources
 from fsdp_peft.recipe import parse_recipe_config
@@ -92,7 +92,7 @@ def test_two_ranks_tokenize_on_rank_0_only_and_share_errors(tmp_path, tiny_model
         str(bad),
         str(tmp_path / "out"),
     ]
-    result = run_command(command, timeout=300)
+    result = run_launch(command, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["rank"], r["world"], r["built"]) for r in ranks] == [(0, 2, 2), (1, 2, 0)]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.model.compiled import compile_layers
 
@@ -63,7 +63,7 @@ def test_two_compiled_ranks_train_as_one_eager_process_with_few_graphs(tmp_path)
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
     result = launch_recipe("llama_lora", *SHORT, "--compile", "true", "--output_dir", str(compiled))
     single = [sys.executable, str(REPO / "recipes" / "llama_lora.py"), *SHORT, "--output_dir", str(eager)]
-    reference = run_command([*single, "--per_device_train_batch_size", "32"])
+    reference = run_launch([*single, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     losses, expected = logged_losses(compiled), logged_losses(eager)
     assert len(losses) == len(expected) == 6

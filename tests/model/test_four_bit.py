@@ -17,7 +17,7 @@ import pytest
 import torch
 from four_bit_reference import code_book, decode, dynamic_map, nf4_from_quantiles, relative_error
 
-from conftest import REPO, launch_recipe, logged_losses, run_command, write_tiny_model
+from conftest import REPO, launch_recipe, logged_losses, run_command, run_launch, write_tiny_model
 from fsdp_peft.core._compat import bitsandbytes_patches
 
 CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -207,7 +207,7 @@ def odd_width_runs(tmp_path_factory, tiny_cache) -> dict:
         launch_recipe("llama_qlora", *common, *per_rank, "--output_dir", str(out), accelerate_config=config)
     one = runs["one"] = tmp_path_factory.mktemp("odd_one")
     single = [sys.executable, str(REPO / "recipes" / "llama_qlora.py"), *common, "--output_dir", str(one)]
-    result = run_command([*single, "--per_device_train_batch_size", str(2 * ODD_PER_RANK_BATCH)])
+    result = run_launch([*single, "--per_device_train_batch_size", str(2 * ODD_PER_RANK_BATCH)])
     assert result.returncode == 0, result.stderr[-4000:]
     return runs
 

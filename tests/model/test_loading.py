@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, last_json_line, run_command
+from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, last_json_line, run_launch
 from fsdp_peft.settings.config import RecipeArguments
 
 CHECK = REPO / "tests" / "distributed" / "loading_check.py"
@@ -41,7 +41,7 @@ def launch_loading_check(out, *launch_flags: str, qlora: bool = False, check_arg
         *(["--qlora"] if qlora else []),
         *check_args,
     ]
-    result = run_command(command)
+    result = run_launch(command)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return {**last_json_line(result.stdout), "stdout": result.stdout}
 

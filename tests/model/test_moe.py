@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, run_launch
 
 STEPS = 5
 SAMPLES = 8
@@ -51,7 +51,7 @@ def runs(request, tmp_path_factory, tiny_cache) -> dict:
     sharded, single = tmp_path_factory.mktemp(f"{recipe}_fsdp2"), tmp_path_factory.mktemp(f"{recipe}_single")
     result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON, *SHARDED)
     one = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--output_dir", str(single), *COMMON]
-    reference = run_command([*one, "--per_device_train_batch_size", "32"])
+    reference = run_launch([*one, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-4000:]
     return {"recipe": recipe, "model": FAMILIES[recipe], "dir": sharded, "single": single, "stdout": result.stdout}
 
@@ -198,7 +198,7 @@ def test_the_routers_auxiliary_loss_is_applied_once_per_step_and_logged(tmp_path
     for coefficient in ("0", "0.5"):
         out = tmp_path / coefficient
         command = [sys.executable, str(REPO / "recipes" / "mixtral_lora.py"), "--output_dir", str(out), *common]
-        result = run_command([*command, "--router_aux_loss_coef", coefficient])
+        result = run_launch([*command, "--router_aux_loss_coef", coefficient])
         assert result.returncode == 0, result.stderr[-3000:]
         logs[coefficient] = [e for e in read_json(out / "trainer_state.json")["log_history"] if "loss" in e]
     first_off, first_on = logs["0"][0], logs["0.5"][0]
@@ -220,7 +220,7 @@ def qlora_runs(request, tmp_path_factory, tiny_cache) -> dict:
     sharded, single = tmp_path_factory.mktemp(f"{recipe}_fsdp2"), tmp_path_factory.mktemp(f"{recipe}_single")
     result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON)
     one = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--output_dir", str(single), *COMMON]
-    reference = run_command([*one, "--per_device_train_batch_size", "32"])
+    reference = run_launch([*one, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-4000:]
     runs = {"recipe": recipe, "model": QLORA[recipe], "dir": sharded, "single": single, "stdout": result.stdout}
     launcher = tmp_path_factory.mktemp("launcher") / "low_memory.yaml"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from four_bit_reference import decode, relative_error
 
-from conftest import REPO, launch_recipe, logged_losses, run_command, script_launch_command
+from conftest import REPO, launch_recipe, logged_losses, run_launch, script_launch_command
 
 slow = pytest.mark.slow  # each case but the last two stands on a 134.5M-parameter model
 
@@ -160,7 +160,7 @@ def qlora_runs(tmp_path_factory, smollm2_dir) -> dict:
     ranks' two halves); and each rank's 4-bit shards, saved by tests/distributed/loading_check.py."""
     common = ["--model_name_or_path", "smollm2-135m-instruct", "--dataset", "iso-dates", "--max_seq_length", "96"]
     common += ["--logging_steps", "1", "--warmup_steps", "0", "--lora_r", "8", "--disable_tqdm", "true"]
-    common += ["--generate_samples", "0", "--generate_eval_samples", "0"]
+    common += ["--generate_samples", "0", "--generate_eval_samples", "0", "--max_eval_samples", "16"]
     halves = ["--per_device_train_batch_size", str(PER_RANK_BATCH)]
     runs = {}
     for name, extra, steps, one_process in (
@@ -172,11 +172,11 @@ def qlora_runs(tmp_path_factory, smollm2_dir) -> dict:
         launch_recipe("llama_qlora", *arguments, *halves, "--output_dir", str(two))
         one = runs[f"{name}_one"] = tmp_path_factory.mktemp(f"smollm2_qlora_{name}_one")
         single = [sys.executable, str(REPO / "recipes" / "llama_qlora.py"), *arguments, "--output_dir", str(one)]
-        result = run_command([*single, *one_process])
+        result = run_launch([*single, *one_process])
         assert result.returncode == 0, result.stderr[-4000:]
     shards = runs["shards"] = tmp_path_factory.mktemp("smollm2_shards")
     check = REPO / "tests" / "distributed" / "loading_check.py"
-    result = run_command(
+    result = run_launch(
         script_launch_command(
             check, "--out", str(shards), "--model", "smollm2-135m-instruct", "--qlora", "--steps", "1"
         )
@@ -291,7 +291,7 @@ def test_the_merged_export_of_the_real_qlora_run_is_peft_own_merge(qlora_runs, s
 
     out = tmp_path / "merged"
     adapter = qlora_runs["fp32_two"] / "adapter"
-    result = run_command(["fsdp-peft", "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
+    result = run_launch(["fsdp-peft", "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
     assert result.returncode == 0, result.stderr[-3000:]
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     reference = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, tiny_llama_in_4bit
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, run_launch, tiny_llama_in_4bit
 from fsdp_peft.cli import _environment, launcher_environment
 from fsdp_peft.data.formats import read_examples
 from fsdp_peft.data.sources import data_files
@@ -165,7 +165,7 @@ def single_process_run(variant: str, tmp_path_factory):
         directory = tmp_path_factory.mktemp(f"{variant}_single")
         config = variant_config(directory, variant, 2 * PER_RANK_BATCH)
         recipe = REPO / "recipes" / f"{VARIANTS[variant][0]}.py"
-        result = run_command([sys.executable, str(recipe), "--config", str(config)])
+        result = run_launch([sys.executable, str(recipe), "--config", str(config)])
         assert result.returncode == 0, result.stderr[-4000:]
         _single_runs[variant] = directory / "out"
     return _single_runs[variant]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, run_launch
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.vision_rows import IGNORE_INDEX, VisionCollator, check_rows, read_rows
 from fsdp_peft.model import paths
@@ -159,7 +159,7 @@ def _train_both(case: str, tmp_path_factory, mixed_rows) -> dict:
     sharded, single = (tmp_path_factory.mktemp(f"{case}-{kind}") for kind in ("sharded", "single"))
     launch_recipe(recipe, *COMMON, *data, *overrides, "--per_device_train_batch_size", str(b), "--output_dir",
                   str(sharded))  # fmt: skip
-    one = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *data, *overrides,
+    one = run_launch([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *data, *overrides,
                        "--per_device_train_batch_size", str(2 * b), "--output_dir", str(single)])  # fmt: skip
     assert one.returncode == 0, one.stderr[-4000:]
     return {"case": case, "sharded": sharded, "single": single, "tolerance": tolerance}
@@ -379,7 +379,7 @@ def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower
 
     trained = runs_of(case)["sharded"]
     merged = tmp_path / "merged"
-    result = run_command(["fsdp-peft", "export", str(trained), "--out", str(merged), "--dtype", "fp32", "--verify"])
+    result = run_launch(["fsdp-peft", "export", str(trained), "--out", str(merged), "--dtype", "fp32", "--verify"])
     assert result.returncode == 0, result.stderr[-3000:]
     base_dir = Path(paths.resolve_model_path(RECIPES[case.split("-")[0]]))
     exported = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).eval()
@@ -409,7 +409,7 @@ def test_the_fp32_export_answers_images_as_the_trained_model_and_keeps_the_tower
     shutil.copytree(base_dir, hub)
     save_file({renamed[k]: v for k, v in load_file(base_dir / "model.safetensors").items()}, hub / "model.safetensors")
     merged_from_hub = tmp_path / "merged-from-hub"
-    result = run_command(["fsdp-peft", "export", str(trained), "--base", str(hub), "--out", str(merged_from_hub),
+    result = run_launch(["fsdp-peft", "export", str(trained), "--base", str(hub), "--out", str(merged_from_hub),
                           "--dtype", "fp32"])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     written_from_hub = load_file(merged_from_hub / "model.safetensors")
@@ -461,7 +461,7 @@ def test_the_embedded_defaults_learn_the_colours_and_generate_answers_from_an_im
     command = ["accelerate", "launch", "--config_file", str(REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"),
                "-m", "fsdp_peft.cli", "generate", str(out), "--image", str(source / row["images"][0]),
                "--prompt", QUESTION, "--max-new-tokens", "8"]  # fmt: skip
-    result = run_command(command)
+    result = run_launch(command)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == answer
 

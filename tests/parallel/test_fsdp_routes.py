@@ -20,6 +20,7 @@ from conftest import (
     read_json,
     recipe_torchrun_command,
     run_command,
+    run_launch,
     tiny_llama_in_4bit,
 )
 
@@ -154,7 +155,7 @@ def route(request, tmp_path_factory, tiny_model_dir):
     argv = ["--config", str(config), *COMMON, "--output_dir", str(out)]
     if launcher == "torchrun":
         command = recipe_torchrun_command(recipe, *argv)
-        result = run_command(command)
+        result = run_launch(command)
         assert result.returncode == 0, result.stderr[-6000:]
     else:
         accelerate = work / "accelerate.yaml"
@@ -222,7 +223,7 @@ def test_fsdp2_full_state_dict_checkpoints_hold_whole_adapter_tensors_and_resume
 
     def torchrun_recipe(*argv: str):
         command = recipe_torchrun_command("llama_lora", *quick, *argv)
-        result = run_command(command)
+        result = run_launch(command)
         assert result.returncode == 0, result.stderr[-4000:]
         return result
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch, write_tiny_model
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.parallel.sequence_parallel import document_causal_mask, split_rows
 
@@ -65,7 +65,7 @@ def runs(request, tmp_path_factory, one_kv_head_model):
     overrides = [o.replace("{kv1}", str(one_kv_head_model)) for o in overrides]
     split, whole = (tmp_path_factory.mktemp(f"{request.param}-{kind}") for kind in ("split", "whole"))
     result = launch_recipe(recipe, *COMMON, *overrides, "--sequence_parallel_size", "2", "--output_dir", str(split))
-    single = run_command([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *overrides,
+    single = run_launch([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *overrides,
                           "--output_dir", str(whole)])  # fmt: skip
     assert single.returncode == 0, single.stderr[-4000:]
     return {"case": request.param, "split": split, "whole": whole, "stdout": result.stdout, "tolerance": tolerance}

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ACCELERATE_CPU_FSDP2, REPO, launch_recipe, read_json, run_command, script_launch_command
+from conftest import (
+    ACCELERATE_CPU_FSDP2,
+    REPO,
+    launch_recipe,
+    read_json,
+    run_command,
+    run_launch,
+    script_launch_command,
+)
 
 FIXED_ROLLOUTS = REPO / "tests" / "distributed" / "grpo_fixed_rollouts.py"
 STEPS = 3
@@ -53,7 +61,7 @@ def _launch_fixed(output_dir, *arguments, processes=2, accelerate_config=ACCELER
     command = script_launch_command(
         FIXED_ROLLOUTS, *arguments, processes=processes, accelerate_config=accelerate_config
     )
-    result = run_command(command)
+    result = run_launch(command)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return torch.load(grads)
 
@@ -128,7 +136,7 @@ def test_qlora_grpo_on_two_ranks_equals_one_unsharded_process(tmp_path_factory, 
     two, one = tmp_path_factory.mktemp("qlora_two"), tmp_path_factory.mktemp("qlora_one")
     two_grads = _launch_fixed(two, *COMMON, *FIXED, *start, "--per_device_train_batch_size", "16")
     grads = one / "grads.pt"
-    unsharded = run_command(
+    unsharded = run_launch(
         [sys.executable, str(FIXED_ROLLOUTS), "--grads_out", str(grads), "--output_dir", str(one), *COMMON, *FIXED]
         + [*start, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2"],
     )
@@ -231,12 +239,12 @@ def test_grpo_holds_no_second_copy_per_rank_bytes_equal_sft(sampled_runs, sft_st
 def test_generate_and_export_work_on_grpo_output(sampled_runs, tmp_path):
     run = sampled_runs["gathered"]
     command = [sys.executable, "-m", "fsdp_peft.cli"]
-    generated = run_command(
+    generated = run_launch(
         [*command, "generate", str(run / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
     assert generated.returncode == 0, generated.stderr[-2000:]
     assert json.loads(generated.stdout.strip().splitlines()[-1])["prompt"] == "reverse: abcde"
-    exported = run_command(
+    exported = run_launch(
         [*command, "export", str(run / "checkpoint-2"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
     )
     assert exported.returncode == 0, exported.stderr[-2000:]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch
 from fsdp_peft import cli
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.data.preference import load_preference_data, read_preference_source
@@ -214,7 +214,7 @@ def test_qlora_dpo_on_two_ranks_matches_one_process_and_keeps_fp32_adapters(tmp_
     qlora += ["--per_device_train_batch_size", "8"]
     two, one = tmp_path_factory.mktemp("qlora_two"), tmp_path_factory.mktemp("qlora_one")
     launch_recipe("llama_dpo", "--output_dir", str(two), *COMMON, *qlora, "--gradient_accumulation_steps", "2")
-    unsharded = run_command(
+    unsharded = run_launch(
         [sys.executable, str(REPO / "recipes" / "llama_dpo.py"), "--output_dir", str(one), *COMMON, *qlora]
         + ["--gradient_accumulation_steps", "4"],
         timeout=600,
@@ -334,12 +334,12 @@ def test_results_report_preference_before_and_after(runs):
 def test_generate_and_export_work_on_dpo_output(runs, tmp_path):
     two = runs["two"]
     command = [sys.executable, "-m", "fsdp_peft.cli"]
-    generated = run_command(
+    generated = run_launch(
         [*command, "generate", str(two / "adapter"), "--prompt", "reverse: abcde", "--max-new-tokens", "4", "--json"]
     )
     assert generated.returncode == 0, generated.stderr[-2000:]
     assert json.loads(generated.stdout.strip().splitlines()[-1])["prompt"] == "reverse: abcde"
-    exported = run_command(
+    exported = run_launch(
         [*command, "export", str(two / "checkpoint-3"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]
     )
     assert exported.returncode == 0, exported.stderr[-2000:]

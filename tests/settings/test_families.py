@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, write_tiny_model
+from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch, write_tiny_model
 from fsdp_peft.model import paths, tiny
 from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 from fsdp_peft.settings.families import ATTENTION_AND_MLP, FAMILIES, GENERIC, family_for, lora_targets, pad_token_for
@@ -154,7 +154,7 @@ def gemma2_runs(request, tmp_path_factory, tiny_gemma2_dir) -> dict:
     )
     batch = str(2 * GEMMA2_PER_RANK_BATCH)
     single = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *common, "--per_device_train_batch_size", batch]
-    result = run_command([*single, "--output_dir", str(one)])
+    result = run_launch([*single, "--output_dir", str(one)])
     assert result.returncode == 0, result.stderr[-4000:]
     return {"recipe": recipe, "two": two, "one": one}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_recipe, read_json, run_command, torchrun_command
+from conftest import launch_recipe, read_json, run_command, run_launch, torchrun_command
 from fsdp_peft.cli import main
 from fsdp_peft.data.templates import render_prompt
 from fsdp_peft.tools.evaluation import EVAL_FILE, default_output_dir
@@ -59,7 +59,7 @@ def trained(training) -> Path:
 
 def evaluate(source: Path, out: Path, *options: str) -> tuple[dict, object]:
     """``fsdp-peft eval SOURCE --out OUT ...`` in a process of its own: ``eval.json`` and the finished process."""
-    result = run_command([*CLI, str(source), "--out", str(out), *options])
+    result = run_launch([*CLI, str(source), "--out", str(out), *options])
     assert result.returncode == 0, result.stderr[-4000:]
     return read_json(out / EVAL_FILE), result
 
@@ -163,7 +163,7 @@ def merged_eval(trained, tmp_path_factory):
 def sharded_eval(trained, tmp_path_factory):
     """The sharded checkpoint evaluated on 2 gloo ranks under torchrun, the model FSDP2-sharded over them."""
     out = tmp_path_factory.mktemp("sharded_eval")
-    result = run_command(
+    result = run_launch(
         torchrun_command(*CLI[1:], str(trained / f"checkpoint-{STEPS}"), "--tasks", "tiny_reverse", "--out", str(out))
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_command, tiny_llama_in_4bit
+from conftest import REPO, run_command, run_launch, tiny_llama_in_4bit
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.model.adapter_files import BASE_FILE, base_record
 from fsdp_peft.tools.export import export_merged, nf4_round_trip
@@ -243,11 +243,11 @@ def test_generate_with_allow_base_mismatch_warns_once_and_generates(adapter, qwe
 
 def test_the_recorded_base_exports_and_generates_without_a_note(adapter, tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    exported = run_command([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
+    exported = run_launch([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
     assert exported.returncode == 0, exported.stderr[-3000:]
     merged, base = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert torch.equal(merged[f"{Q_PROJ}.weight"], merged_with_delta(base[f"{Q_PROJ}.weight"], adapter, Q_PROJ))
-    generated = run_command([*CLI, "generate", str(adapter), "--prompt", "reverse: hello", "--max-new-tokens", "4"])
+    generated = run_launch([*CLI, "generate", str(adapter), "--prompt", "reverse: hello", "--max-new-tokens", "4"])
     assert generated.returncode == 0, generated.stderr[-3000:]
     for result in (exported, generated):
         assert not stderr_lines(result.stderr, "[fsdp-peft] note:") and not stderr_lines(result.stderr, "warning:")
@@ -397,7 +397,7 @@ def test_next_export_removes_the_staging_directory_a_killed_export_left(adapter,
             (directory / lock.name).write_bytes(lock.read_bytes())
     before = checksums(*others)
 
-    result = run_command([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
+    result = run_launch([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert stderr_lines(result.stderr, "[fsdp-peft]") == [
         f"[fsdp-peft] removed 1 stale staging directory of {out} left by an interrupted export "
@@ -416,7 +416,7 @@ def test_staging_directory_of_a_live_export_is_left_alone(adapter, tmp_path):
     try:
         [live] = work.glob(".out.partial.*")
         before = checksums(live)
-        result = run_command([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
+        result = run_launch([*CLI, "export", str(adapter), "--out", str(out), "--dtype", "fp32"])
         assert result.returncode == 0, result.stderr[-3000:]
         assert not stderr_lines(result.stderr, "[fsdp-peft] removed")
         assert checksums(live) == before and writer.poll() is None

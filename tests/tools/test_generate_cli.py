@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, run_command
+from conftest import ACCELERATE_CPU_FSDP2, REPO, free_port, launch_recipe, run_command, run_launch
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["reverse: hello", "reverse: world", "reverse: abcde"]
@@ -148,7 +148,7 @@ def test_sharded_checkpoint_under_accelerate_launch(trained, reference, tmp_path
 
 
 def test_single_prompt_is_streamed_and_sampling_is_seeded(trained, reference):
-    streamed = run_command([*CLI, str(trained / "adapter"), "--prompt", PROMPTS[0], *NEW_TOKENS])
+    streamed = run_launch([*CLI, str(trained / "adapter"), "--prompt", PROMPTS[0], *NEW_TOKENS])
     assert streamed.returncode == 0 and streamed.stdout == reference[0] + "\n"
     sampled = [
         run_command(
