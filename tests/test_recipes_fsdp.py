@@ -12,10 +12,12 @@ import sys
 
 import pytest
 import torch
+import warm_ranks
 from safetensors.torch import load_file
 
 from conftest import (
     REPO,
+    command_environment,
     launch_recipe,
     logged_losses,
     read_json,
@@ -403,6 +405,11 @@ def test_exported_directory_loads_without_peft_and_matches_base_plus_adapter(run
     assert (logits - want).abs().max() <= 1e-3
 
 
+def warm_run(command: list[str]):
+    """``command`` on warm ranks, whatever ``FSDP_PEFT_TEST_COLD_LAUNCHES`` says."""
+    return warm_ranks.run(warm_ranks.launch_of(command), command_environment(), REPO, timeout=600)
+
+
 # What torchrun's agent gives a worker and warm ranks cannot: the agent's store and its error file (there is no agent).
 AGENT_ONLY = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}
 
@@ -419,7 +426,7 @@ def test_warm_ranks_get_the_environment_their_launcher_gives(launcher):
         lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         return {line["rank"]: line["env"] for line in lines}
 
-    cold, warm = environments(run_command(command)), environments(run_launch(command))
+    cold, warm = environments(run_command(command)), environments(warm_run(command))
     assert sorted(cold) == sorted(warm) == ["0", "1"]
     for rank in cold:
         differ = {key for key in cold[rank].keys() | warm[rank].keys() if cold[rank].get(key) != warm[rank].get(key)}
@@ -435,7 +442,7 @@ def test_a_warm_launch_trains_as_the_launcher_does(tmp_path):
     overrides = ["--max_steps", "3", "--logging_steps", "1", "--warmup_steps", "0", "--save_strategy", "no"]
     overrides += ["--generate_samples", "2", "--generate_eval_samples", "16"]
     dirs = {"cold": tmp_path / "cold", "warm": tmp_path / "warm"}
-    for name, run_it in (("cold", run_command), ("warm", run_launch)):
+    for name, run_it in (("cold", run_command), ("warm", warm_run)):
         result = run_it(recipe_launch_command("llama_qlora", *overrides, "--output_dir", str(dirs[name])))
         assert result.returncode == 0, result.stderr[-3000:]
     cold, warm = (load_file(d / "adapter" / "adapter_model.safetensors") for d in dirs.values())

@@ -29,8 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# What the recipes, the checks in this folder and the CLI import, at import or on first use.
+# What the recipes, the checks in tests/distributed/ and the CLI import, at import or on first use; fsdp_peft first,
+# as every recipe imports it first (its import hook defers bitsandbytes' compiled kernels to their first use).
 PRELOAD = (
+    "fsdp_peft",
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
@@ -46,6 +48,8 @@ PRELOAD = (
     "fsdp_peft.recipe",
     "fsdp_peft.cli",
 )
+# ``fsdp-peft``: the console script pip writes, as it runs.
+CONSOLE_SCRIPT = Path(sys.executable).parent / "fsdp-peft"
 
 # How a rank ends when its launch is taken down: torchrun's agent sends SIGTERM, then SIGKILL after a grace period.
 GRACE_S = 10.0
@@ -80,8 +84,13 @@ def preload() -> tuple[bytes, bytes]:
 
 
 def run_rank(launch: dict, rank_env: dict, printed: tuple[bytes, bytes]) -> None:
-    """In the forked rank: become ``python script args`` (or ``python -m module args``) with ``rank_env``, having
-    printed what the imports printed."""
+    """In the forked rank: become ``python script args``, ``python -m module args`` or the ``fsdp-peft`` console
+    script with ``rank_env``, having printed what the imports printed. Like torchrun's workers, each rank leads a
+    session of its own (its launch takes down what it started) and dies with the process that forked it."""
+    os.setsid()
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     out = os.open(launch["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     err = os.open(launch["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
@@ -94,18 +103,30 @@ def run_rank(launch: dict, rank_env: dict, printed: tuple[bytes, bytes]) -> None
     os.environ.clear()
     os.environ.update(rank_env)
     os.chdir(launch["cwd"])
-    random.seed()  # a fresh process seeds these from the OS; forked ones would share the parent's state
+    # A fresh process seeds these from the OS; forked ones would share the parent's state. (The hash seed of str and
+    # bytes is the parent's in every rank: set orders agree across a warm launch's ranks, as they need not cold.)
+    random.seed()
+    import datasets.fingerprint
     import numpy
 
     numpy.random.seed()
-    target = launch["target"]
-    sys.argv = [target[-1] if target[0] == "-m" else target[0], *launch["arguments"]]
-    if target[0] == "-m":
+    datasets.fingerprint.fingerprint_rng.seed()
+    kind, name = launch["target"][0], launch["target"][-1]
+    if kind == "console":  # pip's console script: ``sys.exit(main())`` of the module, imported as a module
+        from fsdp_peft.cli import main as console_main
+
+        sys.argv = [str(CONSOLE_SCRIPT), *launch["arguments"]]
+        sys.path[0] = str(CONSOLE_SCRIPT.parent)
+        sys.exit(console_main())
+    if kind == "-m":  # run afresh as ``__main__``, as ``python -m`` does (imported here, it would be run twice)
+        sys.modules.pop(name, None)
+        sys.argv = [name, *launch["arguments"]]
         sys.path[0] = launch["cwd"]
-        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
-        runpy.run_path(target[0], run_name="__main__")
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [name, *launch["arguments"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(name))
+    runpy.run_path(name, run_name="__main__")
 
 
 def rank_environments(launch: dict) -> list[dict]:
@@ -159,27 +180,32 @@ def serve_one(launch: dict, printed: tuple[bytes, bytes]) -> int:
         children.append(pid)
     deadline, status, stopping = time.monotonic() + launch["timeout"], 0, None
     running = set(children)
+
+    def signal_all(signum: int) -> None:
+        for child in running:
+            try:
+                os.killpg(child, signum)  # the rank and what it started
+            except ProcessLookupError:
+                pass
+
     while running:
-        pid, wait_status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
+        ended = [(pid, wait) for pid, wait in (os.waitpid(child, os.WNOHANG) for child in list(running)) if pid]
+        if not ended:
             now = time.monotonic()
-            if now > deadline and status != 124:
-                status = 124
-                stopping = now
-                for child in running:
-                    os.kill(child, signal.SIGKILL)
+            if now > deadline and status == 0:
+                status, stopping = 124, now
+                signal_all(signal.SIGKILL)
             elif stopping is not None and now - stopping > GRACE_S:
-                for child in running:
-                    os.kill(child, signal.SIGKILL)
+                signal_all(signal.SIGKILL)
             time.sleep(0.05)
             continue
-        running.discard(pid)
-        code = os.waitstatus_to_exitcode(wait_status)
-        if code != 0 and status == 0:
-            status = code if code > 0 else 128 - code
-            stopping = time.monotonic()
-            for child in running:
-                os.kill(child, signal.SIGTERM)
+        for pid, wait_status in ended:
+            running.discard(pid)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if code != 0 and status == 0:
+                status = code if code > 0 else 128 - code
+                stopping = time.monotonic()
+                signal_all(signal.SIGTERM)
     return status
 
 
@@ -189,7 +215,7 @@ def main() -> None:
     for line in sys.stdin:
         launch = json.loads(line)
         status = serve_one(launch, printed)
-        print(json.dumps({"status": status}), flush=True)
+        print(json.dumps({"id": launch["id"], "status": status}), flush=True)
 
 
 # --- The test process's side -------------------------------------------------------------------------------------
@@ -202,8 +228,8 @@ READ_AT_RUN_TIME = {"PYTEST_CURRENT_TEST", "FSDP_PEFT_CACHE"}
 def launch_of(command: list[str]) -> dict | None:
     """What ``command`` launches: its target (``[script]`` or ``["-m", module]``), arguments, ranks (0: one plain
     process), port, and the variables its launcher adds; None for a command this file does not serve."""
-    if command and command[0] == "fsdp-peft":  # the console script: `fsdp_peft.cli.main` as ``__main__``
-        return {"target": ["-m", "fsdp_peft.cli"], "arguments": command[1:], "ranks": 0, "port": 0, "adds": {}}
+    if command and command[0] in ("fsdp-peft", str(CONSOLE_SCRIPT)):  # the console script
+        return {"target": ["console"], "arguments": command[1:], "ranks": 0, "port": 0, "adds": {}}
     if not command or command[0] != sys.executable:
         return None
     if command[1:3] == ["-m", "accelerate.commands.launch"]:
@@ -244,11 +270,16 @@ def _torchrun(arguments: list[str]) -> dict | None:
     return {"target": target, "arguments": args.training_script_args, "ranks": ranks, "port": port, "adds": {}}
 
 
+class NotStarted(RuntimeError):
+    """The warm process could not start."""
+
+
 class _Warm:
     """The warm process of this test process, started on first use and again where the environment changed."""
 
     process: subprocess.Popen | None = None
     env: dict[str, str] = {}
+    launches = 0
 
     @classmethod
     def ready(cls, env: dict[str, str], cwd: Path) -> subprocess.Popen:
@@ -269,7 +300,9 @@ class _Warm:
             )
             cls.env = dict(env)
             line = cls.process.stdout.readline()
-            assert line.startswith('{"ready"'), f"the warm process did not start: {line!r}"
+            if not line.startswith('{"ready"'):
+                cls.stop()
+                raise NotStarted(f"the warm process did not start: {line!r}")
             atexit.register(cls.stop)
         return cls.process
 
@@ -282,25 +315,36 @@ class _Warm:
 
 
 def run(launch: dict, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``launch`` on the warm process as `subprocess.run` would, its output captured as text."""
+    """Run ``launch`` on the warm process as `subprocess.run` would, its output captured as text. `NotStarted`: the
+    warm process could not start (nothing of the launch ran)."""
+    import select
+
     process = _Warm.ready(env, cwd)
+    _Warm.launches += 1
     with tempfile.TemporaryDirectory(prefix="warm_ranks_") as directory:
         stdout, stderr = Path(directory) / "stdout", Path(directory) / "stderr"
-        request = {**launch, "env": {**env, **launch["adds"]}, "cwd": str(cwd), "timeout": timeout}
-        request |= {"stdout": str(stdout), "stderr": str(stderr)}
-        process.stdin.write(json.dumps(request) + "\n")
-        process.stdin.flush()
-        answer = process.stdout.readline()
-        if not answer:
-            _Warm.stop()
-            raise RuntimeError("the warm process ended during a launch")
-        status = json.loads(answer)["status"]
+        request = {**launch, "id": _Warm.launches, "env": {**env, **launch["adds"]}, "cwd": str(cwd)}
+        request |= {"timeout": timeout, "stdout": str(stdout), "stderr": str(stderr)}
+        try:
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.flush()
+            # The warm process enforces the deadline itself; past it and the grace period, it is stuck.
+            if not select.select([process.stdout], [], [], timeout + GRACE_S + 60)[0]:
+                raise RuntimeError(f"the warm process did not answer within {timeout + GRACE_S + 60:.0f} s")
+            answer = process.stdout.readline()
+            if not answer:
+                raise RuntimeError("the warm process ended during a launch")
+            answer = json.loads(answer)
+            assert answer["id"] == request["id"], (answer, request["id"])
+        except BaseException:
+            _Warm.stop()  # its state is unknown: the next launch starts a new one
+            raise
         command = [sys.executable, *launch["target"], *launch["arguments"]]
         out = stdout.read_text() if stdout.exists() else ""
         err = stderr.read_text() if stderr.exists() else ""
-    if status == 124:
+    if answer["status"] == 124:
         raise subprocess.TimeoutExpired(command, timeout, output=out, stderr=err)
-    return subprocess.CompletedProcess(command, status, out, err)
+    return subprocess.CompletedProcess(command, answer["status"], out, err)
 
 
 if __name__ == "__main__":
