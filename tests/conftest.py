@@ -146,7 +146,7 @@ def run_launch(command: list[str], timeout: float = 600) -> subprocess.Completed
     """`run_command` for a run expected to succeed, whose numbers or files the test checks: an ``accelerate launch`` or
     ``torchrun`` of a script, ``python script.py``, ``python -m fsdp_peft.cli`` or ``fsdp-peft`` runs as forked ranks of
     a process that has already imported the stack (`warm_ranks`): the same script, over the same process group, in the
-    environment its launcher gives, without the imports (docs/tests.md#warm-launches). Other commands run as
+    environment its launcher gives, without the imports (docs/tests.md, "Warm launches"). Other commands run as
     `run_command` runs them, as does every command under ``FSDP_PEFT_TEST_COLD_LAUNCHES=1`` or where the warm process
     cannot start. A warm launch that fails is the answer (its output says so): a failure of the warm ranks alone is a
     failure of this file to fix, not a reason to hide it behind a second, cold run."""
