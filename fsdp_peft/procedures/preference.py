@@ -21,7 +21,7 @@ from fsdp_peft.core.run_file_names import SAMPLES_FILE
 from fsdp_peft.data.preference import PreferenceExample, load_preference_data, render_pair
 from fsdp_peft.model.loading import low_memory_loading_requested
 from fsdp_peft.procedures.procedure import PlannedRows, Procedure, Setup
-from fsdp_peft.procedures.trainer import trl_trainer
+from fsdp_peft.procedures.trainer import first_rows, trl_trainer
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
@@ -107,7 +107,7 @@ def held_out_pairs(dataset, count: int):
     """The first ``count`` held-out pairs (``generate_samples``), the ones generation completes too."""
     if dataset is None or count == 0:
         return None
-    return dataset.select(range(min(count, len(dataset))))
+    return first_rows(dataset, count)
 
 
 def policy_log_probs(trainer, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
