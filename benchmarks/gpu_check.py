@@ -42,7 +42,7 @@ from gpu_checks.grpo import GRPO_DRY_RUNS, GRPO_RUNS, GRPO_SIZES, grpo_run, grpo
 from gpu_checks.kernels import kernel_check, kernel_run, print_kernels
 from gpu_checks.moe import EXPERT_BYTES_BOUND, MOE_DRY_RUNS, MOE_LORA, MOE_RUNS
 from gpu_checks.sequence_parallel import SP_RANKS, SP_SIZES, sequence_parallel_check
-from gpu_checks.sft import run_one, sft_run
+from gpu_checks.sft import LIGER_IMPLS, SFT_IMPLS, run_one, sft_ratios, sft_run
 from gpu_checks.vision import VISION_DRY_RUNS, VISION_RUNS, vision_check
 
 SFT_DRY_RUNS = ("qlora",)  # the dry run's SFT pair (fsdp-peft and plain): the LoRA pair differs in load_in_4bit only
@@ -103,7 +103,9 @@ def drive(args) -> None:
             "steps": args.steps,
             "sizes": {s: SIZES[s] for s in order if s in SIZES and s not in shapes},
             "bf16": True,
-            "activation_checkpointing": "fsdp-peft: the recipe's auto (the plan's choice); plain: every layer",
+            "activation_checkpointing": (
+                "fsdp-peft: the recipe's auto (the plan's choice); plain: every layer; plain liger: none"
+            ),
             "optim": "adamw_torch",
         },
         "runs": [],
@@ -162,15 +164,24 @@ def drive(args) -> None:
         moe = item == "moe"  # fsdp-peft only: plain Trainer + peft cannot quantize the experts
         for method in moe_runs if moe else SFT_DRY_RUNS if args.dry_run else ("lora", "qlora"):
             directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_{shape}_{method}_"))
-            for impl in ("fsdp-peft",) if moe else ("fsdp-peft", "plain"):
+            for impl in ("fsdp-peft",) if moe else SFT_IMPLS:
                 entry = {"model": shape, "method": method, "impl": impl}
                 if budget_left(args, started) >= RUN_MINIMUM_SECONDS:  # else measured() records the run as skipped
                     size, lora = SIZES[shape], MOE_LORA if moe else LORA
                     steps = size.get("steps", args.steps)
-                    name = "plain" if impl == "plain" else "config"
+                    name = "config" if impl == "fsdp-peft" else impl
                     config = recipe_yaml(directory, path, method, size["batch"], size["seq"], steps, lora, name)
                     entry["planned"] = planned(config, gpu_memory)
+                if impl in LIGER_IMPLS and device != "cuda":  # Triton: no kernel runs without a GPU driver
+                    planned_bytes = entry.get("planned", {}).get("allocator_bytes")
+                    report["skipped"].append(
+                        f"{shape}/{method}/{impl}: Liger's Triton kernels need CUDA (planned {planned_bytes} bytes)"
+                    )
+                    continue
                 measured(entry, lambda left: sft_run(impl, config, directory, left), args, report, started)
+            report["sft_ratios"] = sft_ratios(report["runs"])
+            for ratio in (r for r in report["sft_ratios"] if (r["model"], r["method"]) == (shape, method)):
+                print(f"{shape:<8} {method:<6} {ratio['of']} / {ratio['over']}: {ratio['ratio']:.2f}x", flush=True)
     report["seconds"] = time.monotonic() - started
     args.out.write_text(json.dumps(report, indent=1))
     print(f"written: {args.out}")
@@ -269,7 +280,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.json")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kernels", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--impl", choices=["fsdp-peft", "plain"], help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=SFT_IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -29,6 +29,7 @@ from fsdp_peft.core.errors import exits_cleanly_on_user_error
 from fsdp_peft.core.log import configure_for_training, logger
 from fsdp_peft.core.xla import start_xla_runtime
 from fsdp_peft.model.compiled import compile_layers
+from fsdp_peft.model.kernels import kernel_training_values
 from fsdp_peft.model.modeling import build_model, load_tokenizer
 from fsdp_peft.procedures.ending import end_run
 from fsdp_peft.procedures.procedure import Procedure, ScoredBeforeTraining, Setup
@@ -117,7 +118,7 @@ def parse_run_config(
     check_config(recipe_args, training_values, procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure, options.config)
-    training_values = {**training_values, **chosen}
+    training_values = {**training_values, **chosen, **kernel_training_values(recipe_args)}
     arguments_class, extra = procedure.arguments(recipe_args)
     unset = unset_training_values()  # the procedure's defaults where the config sets none; not in training_values,
     defaults = {k: v for k, v in procedure.training_defaults.items() if training_values.get(k) == unset[k]}

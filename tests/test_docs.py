@@ -611,6 +611,10 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         sft = {r["impl"]: r for r in report["runs"] if r["impl"] in ("fsdp-peft", "plain") and r["model"] == "tiny"}
         assert sft["fsdp-peft"]["activation_checkpointing"]["reason"].startswith("auto: no GPU memory"), sft
         assert sft["fsdp-peft"]["checkpointed_layers"] == 0 and sft["plain"]["checkpointed_layers"] == 4, sft
+        # the Liger runs (Triton: CUDA only) planned and named as not run, not failed
+        liger = [line for line in report["skipped"] if "liger: Liger's Triton kernels need CUDA (planned " in line]
+        assert [line.split(":")[0] for line in liger] == ["tiny/qlora/fsdp-peft liger", "tiny/qlora/plain liger"], liger
+        assert [r["of"] for r in report["sft_ratios"]] == ["fsdp-peft"], report["sft_ratios"]
         # the split pair (2 gloo ranks against one process, QLoRA):
         # tests/parallel/test_sequence_parallel.py's QLoRA bound
         assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]

@@ -88,8 +88,10 @@ def recipe_yaml(
     directory: Path, model: str, method: str, batch: int, seq: int, steps: int, lora: dict = LORA, name: str = "config"
 ) -> Path:
     """The recipe config an implementation follows (also what the planner reads); ``name`` ``plain``: plain Trainer's
-    loss on full logits (loss_chunk_tokens 0) with every layer checkpointed (the baseline); fsdp-peft's runs the
-    recipe's defaults: the chunked loss, and activation checkpointing as the plan chooses for this GPU (auto)."""
+    loss on full logits (loss_chunk_tokens 0) with every layer checkpointed (the baseline); ``plain liger``: plain
+    Trainer with Liger's kernels (its fused linear cross-entropy) and nothing checkpointed (the best well-kept
+    combination known); fsdp-peft's runs the recipe's defaults: the chunked loss, and activation checkpointing as the
+    plan chooses for this GPU (auto); ``fsdp-peft liger``: the same with ``kernels: liger``."""
     values = {
         "model_name_or_path": model,
         "torch_dtype": "bfloat16",
@@ -99,6 +101,8 @@ def recipe_yaml(
         "max_seq_length": seq,
         "per_device_train_batch_size": batch,
         **(PLAIN_CHECKPOINTING if name == "plain" else {}),
+        **({"use_liger_kernel": True} if name == "plain liger" else {}),
+        **({"kernels": "liger"} if name == "fsdp-peft liger" else {}),
         "bf16": True,
         "max_steps": steps,
         "learning_rate": 1e-4,
@@ -109,9 +113,9 @@ def recipe_yaml(
         "output_dir": str(directory / "out"),
         "disable_tqdm": True,
         "seed": 0,
-        **({"loss_chunk_tokens": 0} if name == "plain" else {}),
+        **({"loss_chunk_tokens": 0} if name.startswith("plain") else {}),
     }
-    return write_yaml(directory / f"{name}.yaml", values)
+    return write_yaml(directory / f"{name.replace(' ', '_')}.yaml", values)
 
 
 def recipe_training(directory: Path, steps: int, learning_rate: float) -> dict:

@@ -5,7 +5,11 @@
 - ``fsdp-peft``: `fsdp_peft.model.modeling.load_base_model` + `attach_lora` +
   `fsdp_peft.procedures.trainer.PeftFsdpTrainer` (one GPU: no FSDP; the library's loading, adapter dtypes and trainer);
 - ``plain``: ``AutoModelForCausalLM.from_pretrained(quantization_config=...)`` + ``peft.get_peft_model`` +
-  ``transformers.Trainer``.
+  ``transformers.Trainer``, every layer checkpointed (today's baseline);
+- ``plain liger``: the same with ``use_liger_kernel`` (Liger's RMSNorm, RoPE, SwiGLU and fused linear
+  cross-entropy) and nothing checkpointed: the best well-kept combination known (FINDINGS: 1.69x the baseline);
+- ``fsdp-peft liger``: ``fsdp-peft`` with ``kernels: liger``.
+The Liger runs need CUDA (Triton): the CPU dry run plans them and says they were not run.
 
 Measured: tokens/s over the steps after the first two (synchronised step times), peak GPU memory
 (``torch.cuda.max_memory_allocated`` and ``..._reserved``), model FLOPs utilisation, and the exact
@@ -86,12 +90,14 @@ def run_one(args) -> dict:
     config_path = Path(args.config)
     recipe, training_values, _ = resolve_recipe_config(["--config", str(config_path)], config_path, "outputs")
     checkpointing = None
-    if args.impl == "fsdp-peft":  # the recipe's activation checkpointing: auto, as fsdp_peft.recipe resolves it
+    ours = args.impl.startswith("fsdp-peft")
+    if ours:  # the recipe's activation checkpointing: auto, and its kernels, as fsdp_peft.recipe resolves them
+        from fsdp_peft.model.kernels import kernel_training_values
         from fsdp_peft.procedures.sft import SFT_PROCEDURE
         from fsdp_peft.tools.plan import run_checkpointing
 
         checkpointing, chosen = run_checkpointing(recipe, training_values, SFT_PROCEDURE, config_path)
-        training_values = {**training_values, **chosen}
+        training_values = {**training_values, **chosen, **kernel_training_values(recipe)}
     training = build_training_arguments(training_values, config_path)
     on_gpu = torch.cuda.is_available()
 
@@ -104,7 +110,7 @@ def run_one(args) -> dict:
 
     timer, memory = StepTimes(), MemoryReport()
     started = time.perf_counter()
-    if args.impl == "fsdp-peft":
+    if ours:
         from fsdp_peft.procedures.trainer import PeftFsdpTrainer
 
         model = attach_lora(load_base_model(recipe), recipe, training)
@@ -170,6 +176,24 @@ def run_one(args) -> dict:
             model, training.per_device_train_batch_size, recipe.max_seq_length
         )
     return result
+
+
+SFT_IMPLS = ("fsdp-peft", "fsdp-peft liger", "plain", "plain liger")
+LIGER_IMPLS = ("fsdp-peft liger", "plain liger")
+# speed ratios reported for each model shape and method: (numerator, denominator)
+SFT_RATIOS = (("fsdp-peft", "plain"), ("fsdp-peft", "plain liger"), ("fsdp-peft liger", "plain liger"))
+
+
+def sft_ratios(runs: list[dict]) -> list[dict]:
+    """Tokens/s of each pair in `SFT_RATIOS` that both ran, per model shape and method."""
+    speed = {(r["model"], r["method"], r["impl"]): r.get("tokens_per_second") for r in runs}
+    ratios = []
+    for model, method in dict.fromkeys((r["model"], r["method"]) for r in runs if r["impl"] in SFT_IMPLS):
+        for top, bottom in SFT_RATIOS:
+            a, b = speed.get((model, method, top)), speed.get((model, method, bottom))
+            if a and b:
+                ratios.append({"model": model, "method": method, "of": top, "over": bottom, "ratio": a / b})
+    return ratios
 
 
 def sft_run(impl: str, config: Path, directory: Path, left: float) -> dict:

@@ -22,3 +22,6 @@ TINY_PREFERENCE_NAME = "tiny-preference"
 TINY_COLORS_NAME = "tiny-colors"  # the image task of the vision-language recipes
 
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
+
+# `kernels`: none, or Liger-Kernel's fused training kernels (`fsdp_peft.model.kernels`)
+KERNELS = ("none", "liger")

@@ -172,6 +172,13 @@ class RecipeArguments:
             "help": "compile each decoder layer's training forward with torch.compile (fsdp_peft.model.compiled)"
         },
     )
+    kernels: str = field(
+        default="none",
+        metadata={
+            "help": "fused training kernels: none, or liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear "
+            "cross-entropy; CUDA GPUs; pip install 'fsdp-peft[kernels]'; docs/activations.md)"
+        },
+    )
     skip_invalid_rows: bool = field(default=False, metadata={"help": "drop and count bad rows instead of failing"})
     use_chat_template: bool = field(
         default=True, metadata={"help": "render prompts with the tokenizer's chat template"}

@@ -23,6 +23,7 @@ from transformers.training_args import OptimizerNames
 
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
+from fsdp_peft.settings.choices import KERNELS
 from fsdp_peft.settings.four_bit import QUANT_TYPES, STORAGE_DTYPES
 
 # `fsdp_peft.settings.fsdp_settings` reads the FSDP keys
@@ -40,6 +41,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level_replica": LOG_LEVELS,
     "bnb_4bit_quant_type": QUANT_TYPES,
     "bnb_4bit_quant_storage": STORAGE_DTYPES,
+    "kernels": KERNELS,
 }
 
 

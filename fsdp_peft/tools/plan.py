@@ -32,6 +32,7 @@ from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.safetensors_io import parse_size
 from fsdp_peft.core.xla import DEVICE_VARIABLE, on_xla, xla_assumed, xla_plan
 from fsdp_peft.model.attention import chosen_attention
+from fsdp_peft.model.kernels import liger_chunk_tokens, liger_requested
 from fsdp_peft.model.loss import ON_XLA, chunked_loss_unavailable
 from fsdp_peft.model.modeling import load_tokenizer, lora_config
 from fsdp_peft.model.moe import EXPERTS_MODULE, expert_count, expert_width, experts_per_token
@@ -601,7 +602,15 @@ def plan_recipe(
     # XLA: the model's own loss (fsdp_peft.model.loss)
     chunk_tokens = 0 if xla is not None else recipe.loss_chunk_tokens
     unavailable = chunked_loss_unavailable(peft_model.get_base_model(), SimpleNamespace(**training))
-    if chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
+    liger = liger_requested(recipe, training)
+    if liger:  # its fused linear cross-entropy: the chunked loss's saved gradient, chunks of its own size
+        text = model_config.get_text_config()
+        chunk_tokens = liger_chunk_tokens(tokens, text.hidden_size, text.vocab_size)
+        notes.append(
+            f"kernels: liger: its fused linear cross-entropy counted in chunks of {chunk_tokens} tokens (its own "
+            "size), its norms and SwiGLU as the model's own (not measured on a GPU yet)"
+        )
+    elif chunk_tokens and unavailable:  # e.g. a head wrapped by trainable tokens (new tokens) or a trained copy
         chunk_tokens = 0
         notes.append(f"loss_chunk_tokens: the model's own loss on full logits is counted: {unavailable}")
     if trl_trainer:  # TRL's fused log-prob head: saves what the chunked loss saves, one tile transient
@@ -613,6 +622,9 @@ def plan_recipe(
     plan.gpu["loss logits, transient (est.)"] = (
         min(tokens, TRL_TOKEN_TILE) * min(model_config.get_text_config().vocab_size, TRL_VOCAB_TILE) * compute_bytes
         if trl_trainer
+        # Liger's cross-entropy kernel writes each chunk's gradient into its logits: one chunk x vocabulary buffer
+        else chunk_tokens * model_config.get_text_config().vocab_size * compute_bytes
+        if liger
         else loss_logits_bytes(model_config, chunk_tokens, tokens, compute_bytes)
     )
     if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.tools.generation.parameters_gathered)

@@ -34,6 +34,7 @@ from fsdp_peft.data.formats import DATA_FORMATS, source_examples
 from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, data_sources, is_local_path, read_source
 from fsdp_peft.data.tokenize import TRUNCATIONS, nothing_left_to_train_on
 from fsdp_peft.model.attention import architecture_problem, attention_problem, model_class_named
+from fsdp_peft.model.kernels import kernels_problem
 from fsdp_peft.model.loading import low_memory_loading_requested
 from fsdp_peft.model.moe import (
     expert_adapters_are_plain_lora,
@@ -358,6 +359,15 @@ def _compile_where_it_is_tested(context: RuleContext) -> str | None:
             "parametrization in each forward, which torch.compile cannot trace; set compile: false"
         )
     return None
+
+
+def _kernels_run_here(context: RuleContext) -> str | None:
+    recipe = context.recipe
+    try:
+        config = known_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
+    except (OSError, ValueError):
+        config = None  # not here yet, or refused by `_model_config_is_a_causal_lm`
+    return kernels_problem(recipe, context.training, context.procedure.through_trl, config)
 
 
 def _fsdp_needs_several_processes(context: RuleContext) -> str | None:
@@ -715,6 +725,7 @@ RULES: dict[Callable, Callable[[object], bool]] = {
     _gather_budget_is_a_size: every,
     _device_memory_is_a_size: every,
     _compile_where_it_is_tested: every,
+    _kernels_run_here: every,
     _fsdp_needs_several_processes: every,
     _one_activation_checkpointing: every,
     _hybrid_shard_shards_in_the_cpu_mode: every,

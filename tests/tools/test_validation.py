@@ -219,6 +219,12 @@ CASES = {
         ["--compile", "true", "--torch_compile", "true"],
         "compile: true compiles each layer; torch_compile: true compiles the whole model again: keep one",
     ),
+    "_kernels_run_here": (
+        LORA_TINY,
+        {},
+        ["--kernels", "liger"],
+        "kernels: liger runs Triton kernels on NVIDIA GPUs and this machine has no CUDA device",
+    ),
     "_fsdp_needs_several_processes": (
         LORA_TINY,
         {"WORLD_SIZE": "1"},
