@@ -348,11 +348,6 @@ def _compile_where_it_is_tested(context: RuleContext) -> str | None:
         )
     if on_xla():
         return "compile: true on XLA: XLA compiles the whole step already; set compile: false"
-    if context.recipe.load_in_4bit:
-        return (
-            "compile: true with load_in_4bit: true: under FSDP bitsandbytes re-wraps every gathered 4-bit weight in "
-            "each forward, which torch.compile cannot trace (a graph break in every 4-bit layer); set compile: false"
-        )
     if experts_adapted(context.recipe):
         return (
             "compile: true with LoRA on the experts (lora_target_parameters): peft adds and removes a "

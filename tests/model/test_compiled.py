@@ -42,7 +42,6 @@ def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_othe
 @pytest.mark.parametrize(
     ("recipe", "overrides", "expected"),
     [
-        ("llama_qlora", [], "compile: true with load_in_4bit: true: under FSDP bitsandbytes re-wraps"),
         ("qwen_moe_lora", [], "compile: true with LoRA on the experts (lora_target_parameters)"),
         ("llama_lora", ["--torch_compile", "true"], "compile: true compiles each layer; torch_compile: true"),
     ],
@@ -72,4 +71,35 @@ def test_two_compiled_ranks_train_as_one_eager_process_with_few_graphs(tmp_path)
     report = read_json(compiled / "results.json")["compiled"]
     assert report["layers"] == 4 and 1 <= report["graphs"] <= GRAPH_BOUND and report["compile_seconds"] > 0, report
     assert f"compiled: 4 layers, {report['graphs']} graphs" in result.stdout + result.stderr
+    assert "recompile_limit" not in result.stderr
+
+
+# fp32 QLoRA: the 4-bit weights are the same bytes on both sides and every matmul computes in fp32, so what is left
+# is compilation's own rounding (in bf16, inductor's fused pointwise ops round differently from eager's: 7.2e-5
+# measured on this pair, against 1.8e-5 for the same pair both eager)
+FP32_QLORA = ["--torch_dtype", "float32", "--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage", "float32"]
+MOE_SHORT = ["--max_steps", "3", "--logging_steps", "1", "--warmup_steps", "0", "--lr_scheduler_type", "constant"]
+MOE_SHORT += ["--generate_samples", "0", "--generate_eval_samples", "0", "--eval_strategy", "no", "--bf16", "false"]
+MOE_SHORT += ["--router_aux_loss_coef", "0", "--lora_target_parameters", "", *FP32_QLORA]
+
+
+@pytest.mark.slow
+def test_two_compiled_ranks_train_a_4_bit_mixture_of_experts_as_one_eager_process(tmp_path):
+    """QLoRA on the tiny Qwen3-MoE (attention's 4-bit linear layers adapted, the 4-bit experts frozen), FSDP2, every
+    layer compiled (`FourBitLinear` for bitsandbytes' layers), 3 steps on 2 ranks against one eager process without
+    FSDP on the same global batch (32 rows)."""
+    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
+    result = launch_recipe("qwen_moe_qlora", *MOE_SHORT, "--per_device_train_batch_size", "16", "--compile", "true",
+                           "--output_dir", str(compiled))  # fmt: skip
+    single = [sys.executable, str(REPO / "recipes" / "qwen_moe_qlora.py"), *MOE_SHORT, "--output_dir", str(eager)]
+    reference = run_launch([*single, "--per_device_train_batch_size", "32"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    losses, expected = logged_losses(compiled), logged_losses(eager)
+    assert len(losses) == len(expected) == 3
+    worst = max(abs(losses[s] - expected[s]) / abs(expected[s]) for s in expected)
+    assert worst <= 1e-5, (losses, expected)  # fp32 (measured 8.7e-8); the QLoRA bound in bf16 is 1e-4
+    report = read_json(compiled / "results.json")["compiled"]
+    # A mixture of experts' layer breaks its graph once, where transformers' hook that records the router's
+    # output reads a ContextVar (which dynamo cannot trace): two graphs a layer, and a first layer apart.
+    assert report["layers"] == 4 and 1 <= report["graphs"] <= 16, report  # measured 13
     assert "recompile_limit" not in result.stderr
