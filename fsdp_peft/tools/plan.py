@@ -62,6 +62,8 @@ from fsdp_peft.settings.fsdp_settings import asks_for_xla, fsdp_settings, mixed_
 from fsdp_peft.settings.keys import check_keys
 
 GIB = 2**30
+# text model types whose attention norms q and k per head (q_norm, k_norm) before the rotary embedding
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "gemma3_text")
 # TRL 1.16's fused log-prob head, which its DPO and KTO trainers use: one projection tile of at most this many
 # tokens x vocabulary columns in the compute dtype (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/tools/test_plan.py checks them against the installed TRL).
@@ -361,14 +363,17 @@ def activation_peak_and_saved(
     """Estimated activations saved for backward on one rank (memory-efficient attention, no seq² term).
 
     Per decoder layer per token (Llama-style: RMSNorm, attention with ``kv`` = KV width, SwiGLU MLP of
-    width ``i``, LoRA on the linear layers): ``c·(6h + 2kv + 4i)`` bytes (``c`` = compute dtype bytes: both
-    norms' inputs and outputs (the adapters' inputs), q, the attention output and its copy into o_proj, k
-    and v, and the MLP's gate, up, activation and product), plus ``8h`` when ``c`` < 4 (the norms' fp32
-    upcasts), plus ``c·d`` + ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0, plus ``c·r`` per
+    width ``i``, LoRA on the linear layers): ``c·(4h + 2kv + 4i) + 8h`` bytes (``c`` = compute dtype bytes: q, the
+    attention output, o_proj's and the MLP's inputs, k and v, the MLP's gate, up, activation and product, and both
+    norms' inputs in fp32, their upcasts; a mixture of experts, top-``k`` of ``E`` experts of width ``I``:
+    ``c·(k·(3I + h) + 4E)`` in place of ``c·4i``, plus ``c·k·(I + h)`` when its experts are adapted; q and k normed
+    per head (Qwen3, Gemma 3): ``4·(q + kv)`` more), plus ``c·d`` + ``d`` bytes per adapted input of width ``d``
+    when lora_dropout > 0, plus ``c·r`` per
     adapter of rank ``r`` (its ``x·Aᵀ``; ``adapter_ranks``: a layer's ranks added up, `ModelCounts`); and
     ``c·h`` for the final norm's input; with ``sequence_parallel_size`` > 1 (``tokens``: the rank's 1/N of each
     row), ``c·h`` more per layer (`benchmarks/sequence_parallel.py`: within 1%). `benchmarks/activations.py`
-    measures these against autograd's saved tensors (body within 1%). A checkpointed layer (``checkpointing``: k
+    measures these against autograd's saved tensors (body within 1%, fp32), and `tests/tools/test_plan.py` on
+    every embedded family in bf16, 16- and 4-bit. A checkpointed layer (``checkpointing``: k
     of the n decoder layers, every m-th from layer 0) keeps only its input (``c·h``; nothing on the device when
     offloaded). Returns ``(peak, saved)``: ``saved`` is what the forward leaves for backward; backward frees each
     layer's activations as it passes it, so the peak is the larger of ``saved`` and the moment the topmost
@@ -383,12 +388,21 @@ def activation_peak_and_saved(
     h = model_config.hidden_size
     i = getattr(model_config, "intermediate_size", 4 * h)
     experts = expert_count(model_config)
-    if experts:  # a mixture of experts: each token passes top-k experts' MLPs (and the router: logits, weights)
-        i = experts_per_token(model_config) * expert_width(model_config) + experts
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or h // heads
     kv = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
-    per_layer = compute_bytes * (6 * h + 2 * kv + 4 * i) + (8 * h if compute_bytes < 4 else 0)
+    mlp = 4 * i  # gate, up, the activation and the product
+    if experts:  # a mixture of experts: each token passes top-k experts' MLPs, and the router (logits, weights)
+        # frozen experts save, per routed token, gate, up and the activation, and the expert's output (its routing
+        # weight's multiply); adapted ones (their weights need gradients) also the gathered input and the product
+        routed, width = experts_per_token(model_config), expert_width(model_config)
+        mlp = routed * (3 * width + h) + 4 * experts
+        if recipe.lora_target_parameters:
+            mlp += routed * (width + h)
+    # the norms' fp32 inputs (their upcasts), q, the attention output, o_proj's input, the MLP's input, k and v
+    per_layer = compute_bytes * (4 * h + 2 * kv + mlp) + 8 * h
+    if model_config.model_type in QK_NORM_MODEL_TYPES:  # q and k normed per head too: their fp32 inputs
+        per_layer += 4 * (heads * head_dim + kv)
     per_layer += compute_bytes * adapter_ranks
     if recipe.lora_dropout > 0:
         per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
