@@ -20,7 +20,7 @@ DESCRIPTION = "tools around the fsdp-peft recipes: list, copy, check and plan co
 CONFIG_HELP = "the recipe YAML to check (a path, e.g. from `fsdp-peft cp`)"  # --help is plain text, not reST
 RECIPE_HELP = (
     "the recipe you will launch the config with (e.g. llama_dpo): its procedure's rules and memory; default: the "
-    "recipe of configs/<recipe>/, else the procedure the config's keys name"
+    "recipe of configs/<recipe>/, else the procedure the config's keys name, else the recipe of a config it includes"
 )
 ALLOW_BASE_MISMATCH_HELP = "use an adapter on a base other than the one it records (architecture, config); warns"
 

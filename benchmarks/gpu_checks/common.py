@@ -101,7 +101,7 @@ def recipe_yaml(
         "max_seq_length": seq,
         "per_device_train_batch_size": batch,
         **(PLAIN_CHECKPOINTING if name == "plain" else {}),
-        **({"use_liger_kernel": True} if name == "plain liger" else {}),
+        **({"use_liger_kernel": True, "activation_checkpointing": False} if name == "plain liger" else {}),
         **({"kernels": "liger"} if name == "fsdp-peft liger" else {}),
         "bf16": True,
         "max_steps": steps,

@@ -36,6 +36,12 @@ from pathlib import Path
 from gpu_checks.common import DRIVER, PEAK_BF16_FLOPS, REPO, last_line, now, peaks
 from gpu_checks.moe import dequantization_cost, expert_storage
 
+SFT_IMPLS = ("fsdp-peft", "fsdp-peft liger", "plain", "plain liger")
+PLAIN_CHECKPOINTED = {"plain": "every layer (the Trainer's)"}  # plain liger: none (its config says false)
+LIGER_IMPLS = ("fsdp-peft liger", "plain liger")
+# speed ratios reported for each model shape and method: (numerator, denominator)
+SFT_RATIOS = (("fsdp-peft", "plain"), ("fsdp-peft", "plain liger"), ("fsdp-peft liger", "plain liger"))
+
 
 def random_rows(vocab: int, rows: int, seq: int):
     """Token rows of random ids (labels = inputs): every position trains, no padding."""
@@ -165,7 +171,9 @@ def run_one(args) -> dict:
         "peak_rss_bytes": report.get("peak_rss_bytes"),
         "final_loss": losses[-1] if losses else None,
         "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
-        "activation_checkpointing": checkpointing.to_json() if checkpointing else "every layer (the Trainer's)",
+        "activation_checkpointing": (
+            checkpointing.to_json() if checkpointing else PLAIN_CHECKPOINTED.get(args.impl, "none")
+        ),
         "checkpointed_layers": report.get("checkpointed_layers"),
     }
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if on_gpu and k in torch.cuda.get_device_name()), None)
@@ -176,12 +184,6 @@ def run_one(args) -> dict:
             model, training.per_device_train_batch_size, recipe.max_seq_length
         )
     return result
-
-
-SFT_IMPLS = ("fsdp-peft", "fsdp-peft liger", "plain", "plain liger")
-LIGER_IMPLS = ("fsdp-peft liger", "plain liger")
-# speed ratios reported for each model shape and method: (numerator, denominator)
-SFT_RATIOS = (("fsdp-peft", "plain"), ("fsdp-peft", "plain liger"), ("fsdp-peft liger", "plain liger"))
 
 
 def sft_ratios(runs: list[dict]) -> list[dict]:

@@ -10,6 +10,8 @@ sequence length makes the length dynamic: about four graphs in all, counted in `
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from fsdp_peft.settings.checkpointing import blocks
@@ -18,46 +20,73 @@ from fsdp_peft.settings.checkpointing import blocks
 def compile_layers(model: torch.nn.Module) -> int:
     """Compile the training forward of every decoder layer of ``model`` (a PeftModel or a transformers model) and
     returns how many: the language model's (a vision tower's blocks stay eager: their attention splits each image's
-    patches by lengths read from a tensor, a graph break in every block). A 4-bit layer inside computes, when
-    compiled, through `FourBitLinear`."""
+    patches by lengths read from a tensor, a graph break in every block). A bitsandbytes 4-bit layer inside computes,
+    when compiled, through `four_bit_linear` (chosen by class: under low-memory loading the weights, and their
+    quantization state, arrive after this)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = blocks(base.get_decoder())
+    bitsandbytes = sys.modules.get("bitsandbytes")  # loaded by a 4-bit build; none to find without it
     for layer in layers:
         for module in layer.modules():
-            if getattr(module, "quant_state", None) is not None and hasattr(module, "compute_dtype"):
+            if bitsandbytes is not None and isinstance(module, bitsandbytes.nn.Linear4bit):
                 module.forward = _four_bit_when_compiled(module, module.forward)
         layer.forward = _training_compiled(layer, layer.forward)
     return len(layers)
 
 
-class FourBitLinear(torch.autograd.Function):
-    """``x @ W.T`` for a 4-bit weight ``W``, as bitsandbytes' own training matmul computes it (dequantize, then a
-    matmul in the input's dtype; backward dequantizes again instead of saving ``W``), written with bitsandbytes'
-    registered ops only, which dynamo traces: its ``Linear4bit.forward`` re-wraps an FSDP-gathered weight in a
-    ``Params4bit`` every call, which it cannot (a graph break in every 4-bit layer)."""
+@torch.library.custom_op("fsdp_peft::four_bit_linear", mutates_args=())
+def four_bit_linear(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    shape: list[int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for a 4-bit weight ``W``, as bitsandbytes' own training matmul computes it: ``W``
+    dequantized in its stored dtype, then cast to the input's, the bias added by the matmul; backward dequantizes
+    ``W`` again instead of saving it (the bias of a 4-bit base layer is frozen). One opaque op:
+    the compiler can neither trace into bitsandbytes' ``Linear4bit.forward`` (it re-wraps an FSDP-gathered weight in
+    a ``Params4bit`` every call: a graph break in every 4-bit layer) nor, seeing the dequantization in forward and
+    in backward, merge the two and save the whole dequantized weight for backward."""
+    weight = _dequantized(packed, absmax, blocksize, quant_type, shape, dtype, x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
 
-    @staticmethod
-    def forward(ctx, x, packed, absmax, blocksize, quant_type, shape, dtype):
-        weight = torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
-        ctx.save_for_backward(packed, absmax)
-        ctx.layout = (blocksize, quant_type, shape, dtype)
-        return torch.nn.functional.linear(x, weight.to(x.dtype))
 
-    @staticmethod
-    def backward(ctx, grad):
-        packed, absmax = ctx.saved_tensors
-        weight = torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, *ctx.layout)
-        return grad @ weight.to(grad.dtype), None, None, None, None, None, None
+@four_bit_linear.register_fake
+def _(x, bias, packed, absmax, blocksize, quant_type, shape, dtype):
+    return x.new_empty((*x.shape[:-1], shape[0]))
+
+
+def _dequantized(packed, absmax, blocksize, quant_type, shape, dtype, to):
+    return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype).to(to)
+
+
+def _keep_for_backward(ctx, inputs, output):
+    _, _, packed, absmax, *layout = inputs
+    ctx.save_for_backward(packed, absmax)
+    ctx.layout = layout
+
+
+def _four_bit_linear_backward(ctx, grad):
+    packed, absmax = ctx.saved_tensors
+    return grad @ _dequantized(packed, absmax, *ctx.layout, grad.dtype), None, None, None, None, None, None, None
+
+
+four_bit_linear.register_autograd(_four_bit_linear_backward, setup_context=_keep_for_backward)
 
 
 def _four_bit_when_compiled(module: torch.nn.Module, eager):
-    """``module``'s (a bitsandbytes ``Linear4bit``) forward: its own when eager, `FourBitLinear` when dynamo traces
-    it; the block scales of a doubly quantized weight dequantized first, the compute dtype and bias as its own."""
-    state = module.quant_state
+    """``module``'s (a bitsandbytes ``Linear4bit``) forward: its own when eager, `four_bit_linear` when dynamo traces
+    it; its quantization state read at each call (low-memory loading sets it after the model is built), the block
+    scales of a doubly quantized weight dequantized first, the compute dtype and bias as its own."""
 
     def forward(x):
         if not torch.compiler.is_compiling():
             return eager(x)
+        state = module.quant_state
         absmax = state.absmax
         if state.nested:
             nested = state.state2
@@ -66,13 +95,10 @@ def _four_bit_when_compiled(module: torch.nn.Module, eager):
             )
             absmax = absmax + state.offset
         dtype = module.compute_dtype or x.dtype
-        shape = tuple(state.shape)
-        out = FourBitLinear.apply(
-            x.to(dtype), module.weight, absmax, state.blocksize, state.quant_type, shape, state.dtype
-        )
-        if module.bias is not None:
-            out = out + module.bias.to(dtype)
-        return out.to(x.dtype)
+        shape = list(state.shape)
+        bias = None if module.bias is None else module.bias.to(dtype)
+        packed, blocksize, quant_type = module.weight, state.blocksize, state.quant_type
+        return four_bit_linear(x.to(dtype), bias, packed, absmax, blocksize, quant_type, shape, state.dtype).to(x.dtype)
 
     return forward
 

@@ -9,17 +9,21 @@ rotary function. The LoRA layers stay as they are: the patched MLP still calls i
 
 Liger's kernels are Triton kernels for NVIDIA GPUs: on a machine without CUDA the patched forward raises "0 active
 drivers" at the first step. `kernels_problem` refuses, in one line and before any weights, what cannot run: no
-CUDA device, a model type Liger does not patch, Liger missing or not the tested release, and the combinations this
-project has not verified with it (its compiled layers, the vision-language loss, TRL's trainers, which swap in
-fused losses of their own for ``use_liger_kernel``).
+CUDA device, a model type Liger does not patch, Liger missing or not the tested release (``FSDP_PEFT_UNVERIFIED=1``
+takes another, as for the patched libraries), and the combinations this project has not verified with it (its
+compiled layers, the vision-language loss, a mixture of experts, whose experts' forward Liger replaces, TRL's
+trainers, which swap in fused losses of their own for ``use_liger_kernel``).
 """
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from fsdp_peft.core._compat.registry import UNVERIFIED_VARIABLE
+from fsdp_peft.model.moe import expert_count
 from fsdp_peft.model.vision import is_vision_config
 from fsdp_peft.settings.choices import KERNELS
 
@@ -64,7 +68,7 @@ def installed_liger() -> str | None:
 def kernels_problem(recipe, training: dict, through_trl: bool, model_config) -> str | None:
     """Why Liger's kernels cannot run this config here (one line with the fix); ``None`` when they can or are not
     asked for. ``model_config``: the model's transformers config, ``None`` when it cannot be read without weights
-    (another rule says so)."""
+    (another rule says so). What no machine changes comes first, then the machine (CUDA), then the installation."""
     if not liger_requested(recipe, training):
         return None
     key = "kernels: liger" if recipe.kernels == LIGER else "use_liger_kernel: true"
@@ -75,24 +79,29 @@ def kernels_problem(recipe, training: dict, through_trl: bool, model_config) -> 
         )
     if recipe.compile:
         return f"{key} with compile: true: Liger's Triton kernels inside the compiled layers are not verified; keep one"
-    model_type = getattr(model_config, "model_type", None)
     if is_vision_config(model_config):
         return (
             f"{key} with the vision-language model {recipe.model_name_or_path}: Liger's forward replaces the "
             "loss this project gives every rank's token count (docs/vision.md); remove it"
         )
-    found = installed_liger()
-    if found != LIGER_RELEASE:
-        status = f"found {found}" if found else "it is not installed"
-        return f"{key} needs liger-kernel {LIGER_RELEASE} ({status}); {INSTALL}"
-    if model_type is not None and model_type not in liger_model_types():
+    if model_config is not None and expert_count(model_config.get_text_config()):
         return (
-            f"{key}: Liger patches no {model_type} model ({recipe.model_name_or_path}); it patches Llama, Mistral, "
-            "Mixtral, Qwen2/3, Qwen3-MoE, Gemma and more (liger_kernel's MODEL_TYPE_TO_APPLY_LIGER_FN); remove it"
+            f"{key} with the mixture of experts {recipe.model_name_or_path}: Liger replaces the experts' forward, "
+            "which this project's 4-bit experts and expert adapters are not verified with; remove it"
         )
     if not torch.cuda.is_available():
         return (
             f"{key} runs Triton kernels on NVIDIA GPUs and this machine has no CUDA device (its first step would "
             "fail with '0 active drivers'); remove it here, keep it for GPU runs"
+        )
+    found = installed_liger()
+    if found is None or (found != LIGER_RELEASE and os.environ.get(UNVERIFIED_VARIABLE) != "1"):
+        status = f"found {found}" if found else "it is not installed"
+        return f"{key} needs liger-kernel {LIGER_RELEASE} ({status}); {INSTALL}"
+    model_type = getattr(model_config, "model_type", None)
+    if model_type is not None and model_type not in liger_model_types():
+        return (
+            f"{key}: Liger patches no {model_type} model ({recipe.model_name_or_path}); it patches Llama, Mistral, "
+            "Qwen2/3, Gemma and more (liger_kernel's MODEL_TYPE_TO_APPLY_LIGER_FN); remove it"
         )
     return None

@@ -56,7 +56,10 @@ def recipe_procedure(name: str) -> Procedure:
 def recognised(values: dict) -> Procedure:
     """The procedure a YAML's keys name: the first whose ``recognised_by`` it sets (`keys_set`: not at their
     defaults), else SFT."""
-    given = keys_set(values)
+    return _named_by(keys_set(values))
+
+
+def _named_by(given: set[str]) -> Procedure:
     return next((p for p in PROCEDURES if given & set(p.recognised_by)), SFT_PROCEDURE)
 
 
@@ -77,14 +80,14 @@ def config_procedure(path: Path, recipe: str | None = None) -> tuple[Procedure, 
     name = recipe or shipped_recipe_of(path)
     if name is not None:
         return recipe_procedure(name), None
-    values = read_yaml_config(Path(path), problems=[])
-    keyed = recognised(values)
+    given = keys_set(read_yaml_config(Path(path), problems=[]))
+    keyed = _named_by(given)
     included = next(filter(None, map(shipped_recipe_of, config_files(Path(path))[1:])), None)
     if included is not None:
         base = recipe_procedure(included)
         if keyed in (base, SFT_PROCEDURE):  # its keys agree, or name nothing: the included recipe's
             return base, None
-    keys = [key for key in keyed.recognised_by if key in keys_set(values)]
+    keys = [key for key in keyed.recognised_by if key in given]
     why = f"it sets {', '.join(keys)}" if keys else "it sets no key of another procedure"
     return keyed, (
         f"{path}: taken for the {keyed.about} recipes ({why}); pass --recipe NAME (a name `fsdp-peft ls` lists) "

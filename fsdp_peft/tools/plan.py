@@ -64,6 +64,8 @@ from fsdp_peft.settings.keys import check_keys
 GIB = 2**30
 # text model types whose attention norms q and k per head (q_norm, k_norm) before the rotary embedding
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "gemma3_text")
+# text model types with a norm after attention and after the MLP too: four a layer, each keeping its fp32 input
+FOUR_NORM_MODEL_TYPES = ("gemma2", "gemma3_text")
 # TRL 1.16's fused log-prob head, which its DPO and KTO trainers use: one projection tile of at most this many
 # tokens x vocabulary columns in the compute dtype (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; tests/tools/test_plan.py checks them against the installed TRL).
@@ -367,13 +369,14 @@ def activation_peak_and_saved(
     attention output, o_proj's and the MLP's inputs, k and v, the MLP's gate, up, activation and product, and both
     norms' inputs in fp32, their upcasts; a mixture of experts, top-``k`` of ``E`` experts of width ``I``:
     ``c·(k·(3I + h) + 4E)`` in place of ``c·4i``, plus ``c·k·(I + h)`` when its experts are adapted; q and k normed
-    per head (Qwen3, Gemma 3): ``4·(q + kv)`` more), plus ``c·d`` + ``d`` bytes per adapted input of width ``d``
-    when lora_dropout > 0, plus ``c·r`` per
-    adapter of rank ``r`` (its ``x·Aᵀ``; ``adapter_ranks``: a layer's ranks added up, `ModelCounts`); and
-    ``c·h`` for the final norm's input; with ``sequence_parallel_size`` > 1 (``tokens``: the rank's 1/N of each
+    per head (Qwen3, Gemma 3): ``4·(q + kv)`` more; four norms a layer (Gemma 2 and 3): ``8h`` more), plus ``c·d`` +
+    ``d`` bytes per adapted input of width ``d`` when lora_dropout > 0 (a mixture of experts: attention's four), plus
+    ``c·r`` per adapter of rank ``r`` (its ``x·Aᵀ``; ``adapter_ranks``: a layer's ranks added up, `ModelCounts`);
+    and ``c·h`` for the final norm's input; with ``sequence_parallel_size`` > 1 (``tokens``: the rank's 1/N of each
     row), ``c·h`` more per layer (`benchmarks/sequence_parallel.py`: within 1%). `benchmarks/activations.py`
-    measures these against autograd's saved tensors (body within 1%, fp32), and `tests/tools/test_plan.py` on
-    every embedded family in bf16, 16- and 4-bit. A checkpointed layer (``checkpointing``: k
+    measures these against autograd's saved tensors (body within 1%, fp32), and `tests/tools/test_plan.py` every
+    embedded family in bf16, 16- and 4-bit (Gemma 3 9% below: its attention's mask and two more head-shaped copies
+    are not counted). A checkpointed layer (``checkpointing``: k
     of the n decoder layers, every m-th from layer 0) keeps only its input (``c·h``; nothing on the device when
     offloaded). Returns ``(peak, saved)``: ``saved`` is what the forward leaves for backward; backward frees each
     layer's activations as it passes it, so the peak is the larger of ``saved`` and the moment the topmost
@@ -400,12 +403,13 @@ def activation_peak_and_saved(
         if recipe.lora_target_parameters:
             mlp += routed * (width + h)
     # the norms' fp32 inputs (their upcasts), q, the attention output, o_proj's input, the MLP's input, k and v
-    per_layer = compute_bytes * (4 * h + 2 * kv + mlp) + 8 * h
+    norms = 4 if model_config.model_type in FOUR_NORM_MODEL_TYPES else 2
+    per_layer = compute_bytes * (4 * h + 2 * kv + mlp) + 4 * h * norms
     if model_config.model_type in QK_NORM_MODEL_TYPES:  # q and k normed per head too: their fp32 inputs
         per_layer += 4 * (heads * head_dim + kv)
     per_layer += compute_bytes * adapter_ranks
-    if recipe.lora_dropout > 0:
-        per_layer += (compute_bytes + 1) * (6 * h + i)  # one dropout per adapter: six see width h, down sees i
+    if recipe.lora_dropout > 0:  # one dropout per adapter: six see width h, down sees i (experts take none)
+        per_layer += (compute_bytes + 1) * (4 * h if experts else 6 * h + i)
     if recipe.sequence_parallel_size > 1:  # the attention output, exchanged back, no longer shares o_proj's input
         per_layer += compute_bytes * h
     layer = tokens * per_layer  # what a layer that is not checkpointed saves

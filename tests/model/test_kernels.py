@@ -133,24 +133,35 @@ def test_kernels_liger_sets_the_trainers_own_switch_and_steps_the_chunked_loss_a
 
 def test_refusals_are_one_line_each_with_the_key_and_the_fix(monkeypatch):
     config = tiny_config()
+    from fsdp_peft.model.paths import known_model_config
+
     problems = {
         "cpu": kernels_problem(recipe(), {}, False, config),
         "trainer key": kernels_problem(RecipeArguments(), {"use_liger_kernel": True}, False, config),
         "trl": kernels_problem(recipe(), {}, True, config),
         "compile": kernels_problem(recipe(compile=True), {}, False, config),
         "vision": kernels_problem(recipe(), {}, False, SimpleNamespace(model_type="qwen2_5_vl", vision_config={})),
-        "family": kernels_problem(recipe(model_name_or_path="a-gpt2"), {}, False, GPT2Config()),
+        "experts": kernels_problem(
+            recipe(model_name_or_path="tiny-mixtral"), {}, False, known_model_config("tiny-mixtral")
+        ),
     }
+    # What a GPU machine would say next: this one has no CUDA device, so it is told so first
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
+    assert kernels_problem(recipe(), {}, False, config) is None  # the tested release, a family it patches
+    problems["family"] = kernels_problem(recipe(model_name_or_path="a-gpt2"), {}, False, GPT2Config())
     monkeypatch.setattr(kernels, "installed_liger", lambda: None)
     problems["missing"] = kernels_problem(recipe(), {}, False, config)
     monkeypatch.setattr(kernels, "installed_liger", lambda: "0.7.0")
     problems["release"] = kernels_problem(recipe(), {}, False, config)
+    monkeypatch.setenv("FSDP_PEFT_UNVERIFIED", "1")
+    assert kernels_problem(recipe(), {}, False, config) is None  # another release, taken as for the patched libraries
     assert all(problem and "\n" not in problem for problem in problems.values()), problems
     assert problems["cpu"].startswith("kernels: liger runs Triton kernels on NVIDIA GPUs and this machine has no CUDA")
     assert problems["trainer key"].startswith("use_liger_kernel: true runs Triton kernels on NVIDIA GPUs")
     assert problems["trl"].startswith("kernels: liger with a TRL recipe")
     assert problems["compile"].startswith("kernels: liger with compile: true")
     assert problems["vision"].startswith("kernels: liger with the vision-language model")
+    assert problems["experts"].startswith("kernels: liger with the mixture of experts tiny-mixtral: Liger replaces")
     assert problems["family"].startswith("kernels: liger: Liger patches no gpt2 model (a-gpt2)")
     install = (
         f"kernels: liger needs liger-kernel {LIGER_RELEASE} (it is not installed); pip install 'fsdp-peft[kernels]'"
