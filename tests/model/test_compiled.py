@@ -14,10 +14,6 @@ from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.model.compiled import compile_layers
 
-SHORT = ["--max_steps", "6", "--logging_steps", "1", "--warmup_steps", "0", "--generate_samples", "0"]
-SHORT += ["--generate_eval_samples", "0"]
-GRAPH_BOUND = 8  # dynamo's own recompile limit per frame: past it a layer would run eager without a word
-
 
 def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_otherwise():
     from torch._dynamo.utils import counters
@@ -97,20 +93,10 @@ def test_what_compile_cannot_run_yet_is_refused_in_one_line_before_weights(recip
     assert str(refused.value).startswith(expected) and "\n" not in str(refused.value)
 
 
-@pytest.mark.slow
-def test_two_compiled_ranks_train_as_one_eager_process_with_few_graphs(tmp_path):
-    """fp32 LoRA, FSDP2: 6 steps of rows of varying length on 2 ranks, every layer compiled, against one eager
-    process without FSDP on the same global batch (32 rows)."""
-    worst, report, result = compiled_against_eager("llama_lora", SHORT, 16, 6, tmp_path)
-    assert worst <= 1e-5, worst  # the suite's fp32 LoRA bound for 2 ranks against one process
-    assert report["layers"] == 4 and 1 <= report["graphs"] <= GRAPH_BOUND and report["compile_seconds"] > 0, report
-    assert f"compiled: 4 layers, {report['graphs']} graphs" in result.stdout + result.stderr
-
-
 def compiled_against_eager(recipe: str, arguments: list[str], rows: int, steps: int, directory):
     """``recipe`` with ``compile: true`` on 2 FSDP2 ranks of ``rows`` rows each, and eager in one process without
-    FSDP on the same global batch: the largest relative loss difference over ``steps`` logged steps, the compiled
-    run's ``compiled`` report and its launch (which did not reach dynamo's recompile limit)."""
+    FSDP on the same global batch: the largest relative loss difference over ``steps`` logged steps and the compiled
+    run's ``compiled`` report (the launch did not reach dynamo's recompile limit)."""
     compiled, eager = directory / "compiled", directory / "eager"
     result = launch_recipe(recipe, *arguments, "--per_device_train_batch_size", str(rows), "--compile", "true",
                            "--output_dir", str(compiled))  # fmt: skip
@@ -121,7 +107,7 @@ def compiled_against_eager(recipe: str, arguments: list[str], rows: int, steps: 
     assert len(losses) == len(expected) == steps, (losses, expected)
     assert "recompile_limit" not in result.stderr
     worst = max(abs(losses[s] - expected[s]) / abs(expected[s]) for s in expected)
-    return worst, read_json(compiled / "results.json")["compiled"], result
+    return worst, read_json(compiled / "results.json")["compiled"]
 
 
 # fp32 QLoRA: the 4-bit weights are the same bytes on both sides and every matmul computes in fp32, so what is left
@@ -138,7 +124,7 @@ def test_two_compiled_ranks_train_a_4_bit_mixture_of_experts_as_one_eager_proces
     """QLoRA on the tiny Qwen3-MoE (attention's 4-bit linear layers adapted, the 4-bit experts frozen), FSDP2, every
     layer compiled (`FourBitLinear` for bitsandbytes' layers), 3 steps on 2 ranks against one eager process without
     FSDP on the same global batch (32 rows)."""
-    worst, report, _ = compiled_against_eager("qwen_moe_qlora", MOE_SHORT, 16, 3, tmp_path)
+    worst, report = compiled_against_eager("qwen_moe_qlora", MOE_SHORT, 16, 3, tmp_path)
     assert worst <= 1e-5, worst  # fp32 (measured 8.7e-8); the QLoRA bound in bf16 is 1e-4
     # A mixture of experts' layer breaks its graph once, where transformers' hook that records the router's
     # output reads a ContextVar (which dynamo cannot trace): two graphs a layer, and a first layer apart.
