@@ -415,18 +415,22 @@ AGENT_ONLY = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"}
 
 
 @pytest.mark.parametrize("launcher", [script_launch_command, torchrun_command], ids=["accelerate", "torchrun"])
-def test_warm_ranks_get_the_environment_their_launcher_gives(launcher):
+def test_warm_ranks_get_the_environment_their_launcher_gives(launcher, tmp_path):
     """The suite's launches run as forked ranks of a process that has imported the stack (tests/warm_ranks.py): each
     rank's environment is what ``accelerate launch`` (its FSDP variables included) or ``torchrun`` gives it, launched
     for real beside it, but for the agent's own store and error file."""
-    command = launcher(str(REPO / "tests" / "distributed" / "environment_check.py"))
+    command = launcher(str(REPO / "tests" / "distributed" / "environment_check.py"), str(tmp_path))
 
-    def environments(result) -> dict:
+    def environments(run_it) -> dict:
+        result = run_it(command)
         assert result.returncode == 0, result.stderr[-3000:]
-        lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-        return {line["rank"]: line["env"] for line in lines}
+        files = sorted(tmp_path.glob("rank-*.json"))
+        found = {path.stem.removeprefix("rank-"): json.loads(path.read_text()) for path in files}
+        for path in files:  # the next launch writes its own
+            path.unlink()
+        return found
 
-    cold, warm = environments(run_command(command)), environments(warm_run(command))
+    cold, warm = environments(run_command), environments(warm_run)
     assert sorted(cold) == sorted(warm) == ["0", "1"]
     for rank in cold:
         differ = {key for key in cold[rank].keys() | warm[rank].keys() if cold[rank].get(key) != warm[rank].get(key)}
