@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from gpu_checks.common import (
     checkpoint,
     planned,
     recipe_yaml,
+    scratch_directory,
 )
 from gpu_checks.grpo import GRPO_DRY_RUNS, GRPO_RUNS, GRPO_SIZES, grpo_run, grpo_summary
 from gpu_checks.kernels import kernel_check, kernel_run, print_kernels
@@ -163,7 +163,7 @@ def drive(args) -> None:
             continue
         moe = item == "moe"  # fsdp-peft only: plain Trainer + peft cannot quantize the experts
         for method in moe_runs if moe else SFT_DRY_RUNS if args.dry_run else ("lora", "qlora"):
-            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_{shape}_{method}_"))
+            directory = scratch_directory(f"gpu_check_{shape}_{method}_")
             for impl in ("fsdp-peft",) if moe else SFT_IMPLS:
                 entry = {"model": shape, "method": method, "impl": impl}
                 if budget_left(args, started) >= RUN_MINIMUM_SECONDS:  # else measured() records the run as skipped

@@ -22,10 +22,12 @@ Timings on a shared machine are noisy; the byte counts are exact and do not depe
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,13 @@ CPU_FSDP2 = REPO / "configs" / "accelerate" / "cpu_fsdp2.yaml"
 RECIPES = {"lora": "llama_lora", "qlora": "llama_qlora"}
 GLOBAL_BATCH = {"tiny": 16, "100m": 8}
 SEQ_LENGTH = 64
+
+
+def scratch_directory(prefix: str) -> Path:
+    """A new temporary directory for one run's config and outputs, removed when this process exits."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def model_path(name: str) -> str:
@@ -130,7 +139,7 @@ def planned(config: Path, world: int, launcher: Path | None) -> dict:
 
 
 def run_one(model: str, method: str, world: int, steps: int, low_memory_loading: bool = False) -> dict:
-    directory = Path(tempfile.mkdtemp(prefix=f"train_cpu_{model}_{method}_ws{world}_"))
+    directory = scratch_directory(f"train_cpu_{model}_{method}_ws{world}_")
     config = write_config(directory, model, method, world, steps)
     launcher = accelerate_config(directory, low_memory_loading) if world > 1 else None
     command, result = launch(config, method, world, launcher)

@@ -21,7 +21,6 @@ import datetime
 import json
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,7 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from train_cpu import RECIPES, launch, planned, short_run_config  # noqa: E402  (the benchmarks' shared pieces)
+from train_cpu import RECIPES, launch, planned, scratch_directory, short_run_config  # noqa: E402  (the benchmarks' shared pieces)
 
 STEPS = 5
 PER_RANK_BATCH = 16
@@ -75,7 +74,7 @@ def failure(result) -> str:
 
 def run_one(variant: str, method: str, version: int, single: dict) -> dict:
     entry = {"variant": variant, "method": method, "fsdp": version, "keys": VARIANTS[variant]}
-    directory = Path(tempfile.mkdtemp(prefix=f"variants_{variant}_{method}_fsdp{version}_"))
+    directory = scratch_directory(f"variants_{variant}_{method}_fsdp{version}_")
     config = write_config(directory, variant, method, PER_RANK_BATCH)
     launcher = REPO / "configs" / "accelerate" / f"cpu_fsdp{version}.yaml"
     command, result = launch(config, method, 2, launcher)
@@ -88,7 +87,7 @@ def run_one(variant: str, method: str, version: int, single: dict) -> dict:
             entry["failed"] = failure(result)
         return entry
     if (variant, method) not in single:
-        one = Path(tempfile.mkdtemp(prefix=f"variants_{variant}_{method}_single_"))
+        one = scratch_directory(f"variants_{variant}_{method}_single_")
         _, reference = launch(write_config(one, variant, method, 2 * PER_RANK_BATCH), method, 1, None)
         single[variant, method] = one / "out" if reference.returncode == 0 else failure(reference)
     reference = single[variant, method]

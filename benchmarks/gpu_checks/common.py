@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(HERE))
 
+from train_cpu import scratch_directory  # noqa: E402, F401  (the benchmarks' shared pieces, for the checks)
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 

@@ -24,10 +24,18 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 
-from gpu_checks.common import LORA, RECIPE_LAUNCH, last_line, peaks, planned, recipe_training, write_yaml
+from gpu_checks.common import (
+    LORA,
+    RECIPE_LAUNCH,
+    last_line,
+    peaks,
+    planned,
+    recipe_training,
+    scratch_directory,
+    write_yaml,
+)
 
 GRPO_SIZES = {  # GRPO model shape: completions per step, tokens per completion, steps (the first one untimed)
     "1b": {"completions": 64, "completion_tokens": 128, "steps": 4},
@@ -74,7 +82,7 @@ def grpo_run(entry: dict, mode: str, model: Path, gpu_memory: int, left: float) 
     import grpo_rollouts
 
     size = GRPO_SIZES[entry["model"]]
-    directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_grpo_{mode}_{entry['method']}_"))
+    directory = scratch_directory(f"gpu_check_grpo_{mode}_{entry['method']}_")
     config = grpo_yaml(directory, model, entry["method"], size["completions"], size["completion_tokens"], size["steps"])
     entry["planned"] = planned(config, gpu_memory)
     try:

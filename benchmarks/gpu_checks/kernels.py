@@ -27,10 +27,8 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from gpu_checks.common import DRIVER, REPO, last_line
+from gpu_checks.common import DRIVER, REPO, last_line, scratch_directory
 
 # The 4-bit kernels against the reference decoder (``kernels``, first: seconds): last dimensions that are and are not
 # whole blocks of 64 (96, 160, 200 as the CPU kernel got them wrong; the real models' 768 to 14336), every block size.
@@ -194,7 +192,7 @@ def expert_rows_cases(device) -> dict:
 
 def kernel_run(left: float) -> dict:
     """`kernel_check` in a child process: a kernel's fault (a sticky CUDA error) stays out of the later runs."""
-    out = Path(tempfile.mkdtemp(prefix="gpu_check_kernels_")) / "kernels.json"
+    out = scratch_directory("gpu_check_kernels_") / "kernels.json"
     command = [sys.executable, str(DRIVER), "--kernels", "--result", str(out)]
     child = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left)
     if child.returncode != 0:

@@ -10,7 +10,6 @@ dry run: both on the embedded tiny-llama, 2 rows of 64 tokens, 3 steps, 2 gloo r
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from gpu_checks.common import (
@@ -21,6 +20,7 @@ from gpu_checks.common import (
     planned,
     recipe_run,
     recipe_training,
+    scratch_directory,
     write_yaml,
 )
 
@@ -50,7 +50,7 @@ def sequence_parallel_check(
     for kind, ranks in (("split", SP_RANKS), ("whole", 1)):
         entry = entries[kind] = {"model": shape, "method": "qlora", "impl": f"sp {kind}"}
         if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
-            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_sp_{kind}_"))
+            directory = scratch_directory(f"gpu_check_sp_{kind}_")
             config = sequence_parallel_yaml(directory, path, SP_SIZES[shape], ranks)
             entry["planned"] = planned(config, gpu_memory, ranks)
         measured(entry, lambda left: recipe_run("llama_qlora", config, left, ranks), args, report, started)

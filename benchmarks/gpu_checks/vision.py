@@ -10,7 +10,6 @@ run on the embedded tiny-qwen2.5-vl, 3 steps.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from gpu_checks.common import (
@@ -22,6 +21,7 @@ from gpu_checks.common import (
     planned,
     recipe_run,
     recipe_training,
+    scratch_directory,
     write_yaml,
 )
 
@@ -40,7 +40,7 @@ def vision_check(
     for method in methods:
         entry: dict = {"model": shape, "method": method, "impl": "fsdp-peft vlm"}
         if budget_left(args, started) >= RUN_MINIMUM_SECONDS:
-            directory = Path(tempfile.mkdtemp(prefix=f"gpu_check_vlm_{method}_"))
+            directory = scratch_directory(f"gpu_check_vlm_{method}_")
             config = vision_yaml(directory, path, method, VISION_SIZES[shape])
             entry["planned"] = planned(config, gpu_memory)
         measured(entry, lambda left: recipe_run(f"qwen_vl_{method}", config, left), args, report, started)
