@@ -1,21 +1,25 @@
 """Generation benchmark: tokens/second of greedy decoding from the tiny model sharded over 2 CPU ranks.
 
-Three runs of the same weights (the embedded tiny Llama with a seeded, random LoRA adapter, fp32),
-each generating ``--new-tokens`` tokens greedily for each of ``--prompts`` prompts:
+Runs of the same weights (``--model``: the embedded tiny Llama, or smollm2-135m-instruct, with a seeded, random
+LoRA adapter on every linear layer, fp32), each generating ``--new-tokens`` tokens greedily for each of ``--prompts``
+prompts:
 
 - ``unsharded``: one process, the whole model, all prompts in one batch, run with 1 thread and with
   all cores' threads; the faster one is the reference;
 - ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.parallel.fsdp_policies.shard_for_generation`), prompts spread over
-  the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``);
+  the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``) and the adapter merged into
+  them (``generate_merged_adapter: true``, the default);
+- ``sharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter: false``);
 - ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
   (``generate_gather_budget: none``, what FSDP2 does by default).
 
 Each run times ``--repeats`` calls after one warm-up call, counts FSDP all-gathers per call, and
-returns its completions; the three must agree token for token. Prints a table and writes
-``benchmarks/results/generation.json``.
+returns its completions; all must agree token for token. Prints a table and writes
+``benchmarks/results/generation.json`` (``generation_<model>_<prompts>_prompts.json`` for another model).
 
     python benchmarks/generation.py
     python benchmarks/generation.py --prompts 8 --new-tokens 64 --repeats 5
+    python benchmarks/generation.py --model smollm2-135m-instruct --prompts 16 --new-tokens 48
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-MODES = {"unsharded": None, "unsharded_1_thread": None, "sharded": "all", "naive": "none"}
+MODES = {"unsharded": None, "unsharded_1_thread": None, "sharded": "all", "sharded_unmerged": "all", "naive": "none"}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -46,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     from fsdp_peft.settings.config import RecipeArguments
     from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
-    recipe = RecipeArguments(torch_dtype="float32")
+    recipe = RecipeArguments(model_name_or_path=args.model, torch_dtype="float32")
     if args.worker == "unsharded_1_thread":
         torch.set_num_threads(1)
     sharded = MODES[args.worker] is not None
@@ -73,7 +77,11 @@ def worker(args: argparse.Namespace) -> None:
     ]
     prompts = (prompts * args.prompts)[: args.prompts]
     settings = GenerationSettings(
-        args.new_tokens, batch_size=args.prompts, gather_budget=MODES[args.worker] or "all", ignore_eos=True
+        args.new_tokens,
+        batch_size=args.prompts,
+        gather_budget=MODES[args.worker] or "all",
+        ignore_eos=True,
+        merged_adapter=not args.worker.endswith("_unmerged"),
     )
     generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))  # warm-up
     gathers[0] = 0
@@ -114,6 +122,8 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         str(args.new_tokens),
         "--repeats",
         str(args.repeats),
+        "--model",
+        args.model,
     ]
     if MODES[mode] is None:
         command = [sys.executable, *script]
@@ -148,6 +158,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="tiny-llama", help="tiny-llama (default) or smollm2-135m-instruct")
     parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -164,10 +175,12 @@ def main() -> None:
         )
     ratio = runs["sharded"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
     naive_ratio = runs["naive"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
+    merged_ratio = runs["sharded"]["tokens_per_second"] / runs["sharded_unmerged"]["tokens_per_second"]
     print(
         f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}"
     )
-    print(f"completions identical across the three runs: {agree}")
+    print(f"adapter merged / unmerged (sharded, all gathered): {merged_ratio:.2f}")
+    print(f"completions identical across the {len(runs)} runs: {agree}")
     import transformers
 
     report = {
@@ -181,11 +194,14 @@ def main() -> None:
         "repeats": args.repeats,
         "runs": runs,
         "reference": reference,
+        "model": args.model,
         "sharded_over_unsharded": ratio,
+        "merged_over_unmerged": merged_ratio,
         "naive_over_unsharded": naive_ratio,
         "completions_identical": agree,
     }
-    out = HERE / "results" / "generation.json"
+    name = "generation" if args.model == "tiny-llama" else f"generation_{args.model}_{args.prompts}_prompts"
+    out = HERE / "results" / f"{name}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"written to {out}")

@@ -68,8 +68,8 @@ class GatheredRollouts:
     """Mixed into TRL's `GRPOTrainer` (`fsdp_peft.procedures.trainer.trl_trainer`): rollouts with every FSDP2 unit
     gathered once per call, prompts tokenized as the recipes' own generation tokenizes them."""
 
-    def __init__(self, *args, gather_budget: str = "auto", **kwargs):
-        self.gather_budget = gather_budget
+    def __init__(self, *args, gather_budget: str = "auto", merged_adapter: bool = True, **kwargs):
+        self.gather_budget, self.merged_adapter = gather_budget, merged_adapter
         super().__init__(*args, **kwargs)
 
     def _tokenize_prompts(self, prompts: list):
@@ -80,11 +80,13 @@ class GatheredRollouts:
         return super()._tokenize_prompts(prompts)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget)."""
+        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget) and
+        the adapter merged into them (`fsdp_peft.tools.generation.adapters_merged`, unless generate_merged_adapter is
+        false)."""
         arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*arguments)
-        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget)):
+        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget), self.merged_adapter):
             return super()._generate_single_turn(*arguments)
 
     def _generate_and_score_completions(self, inputs):
@@ -207,10 +209,9 @@ def rollout_trainer() -> type:
 
 def _trainer(setup: Setup, shared: dict):
     train_data, _, functions = setup.data
-    gather_budget = setup.recipe.generate_gather_budget
-    return rollout_trainer()(
-        setup.model, reward_funcs=functions, train_dataset=train_data, gather_budget=gather_budget, **shared
-    )
+    generation = {"gather_budget": setup.recipe.generate_gather_budget}
+    generation["merged_adapter"] = setup.recipe.generate_merged_adapter
+    return rollout_trainer()(setup.model, reward_funcs=functions, train_dataset=train_data, **generation, **shared)
 
 
 def _score(setup: Setup, model, samples_path: Path | None = None) -> dict | None:

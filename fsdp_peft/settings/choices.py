@@ -22,6 +22,10 @@ TINY_PREFERENCE_NAME = "tiny-preference"
 TINY_COLORS_NAME = "tiny-colors"  # the image task of the vision-language recipes
 
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
+UNMERGED_ADAPTER_HELP = (
+    "compute with the LoRA adapter unmerged, as in training, instead of merged into the weights for each generate "
+    "call (faster, equal up to rounding)"
+)
 
 # `kernels`: none, or Liger-Kernel's fused training kernels (`fsdp_peft.model.kernels`)
 KERNELS = ("none", "liger")

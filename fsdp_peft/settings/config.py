@@ -204,6 +204,14 @@ class RecipeArguments:
         default="auto",
         metadata={"help": "FSDP2: gathered weights generate may keep for the whole call: " + GATHER_BUDGET_HELP},
     )
+    generate_merged_adapter: bool = field(
+        default=True,
+        metadata={
+            "help": "generation computes with the LoRA adapter merged into the weights for each call (one matmul a "
+            "layer instead of three, equal up to rounding; FSDP2-gathered and unsharded full-precision layers); "
+            "false: unmerged, as in training"
+        },
+    )
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )

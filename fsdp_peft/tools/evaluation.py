@@ -65,10 +65,18 @@ DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default, for a generate_until ta
 class HarnessLM(LM):
     """The (possibly FSDP2-sharded) model as the harness's evaluator calls it, on one rank or several."""
 
-    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 32, gather_budget: str = "auto"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: torch.device,
+        batch_size: int = 32,
+        gather_budget: str = "auto",
+        merged_adapter: bool = True,
+    ):
         super().__init__()
         self.model, self.tokenizer, self._device = model, tokenizer, device
-        self.batch_size, self.gather_budget = batch_size, gather_budget
+        self.batch_size, self.gather_budget, self.merged_adapter = batch_size, gather_budget, merged_adapter
         self._rank, self._world_size = group_ranks()
         text_config = model.config.get_text_config()
         self.max_length = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
@@ -189,7 +197,8 @@ class HarnessLM(LM):
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         completions: list[str] = [""] * len(requests)
-        with parameters_gathered(self.model, parse_gather_budget(self.gather_budget)) as whole:
+        budget = parse_gather_budget(self.gather_budget)
+        with parameters_gathered(self.model, budget, self.merged_adapter) as whole:
             synced = self.world_size > 1 and not whole
             counts = {key: len(indices) for key, indices in groups.items()}
             plan = gathered_from_every_rank(counts) if synced else [counts]
@@ -224,6 +233,7 @@ class HarnessLM(LM):
             temperature=temperature if do_sample else 1.0,
             top_p=float(kwargs.get("top_p") or 1.0),
             gather_budget=self.gather_budget,
+            merged_adapter=self.merged_adapter,
             stop_strings=tuple(stop for stop in until if stop and stop != self.tokenizer.eos_token),
         )
         return settings, until
@@ -323,7 +333,8 @@ def evaluate_trained_model(
     tasks = load_tasks(list(recipe["eval_tasks"]), [], None, world, key=EVAL_TASKS_KEY)
     when = f"at step {step}" if step is not None else "on the trained model"
     logger.info(f"harness tasks {when}: {', '.join(tasks.tasks)}")
-    lm = HarnessLM(model, tokenizer, device, recipe["generate_batch_size"], recipe["generate_gather_budget"])
+    settings = (recipe["generate_batch_size"], recipe["generate_gather_budget"], recipe["generate_merged_adapter"])
+    lm = HarnessLM(model, tokenizer, device, *settings)
     model_args = {"pretrained": str(recipe["model_name_or_path"]), "peft": source}
     held = "as the trainer holds it" if step is None else f"as the trainer holds it at step {step}"
     about = {"source": source, "model": f"{recipe['model_name_or_path']} + adapter, {held}", "base_only": False}
@@ -401,7 +412,9 @@ def run_eval(args) -> None:
         chat = args.chat if args.chat is not None else bool(loaded.chat)
         where = f", sharded over {world} ranks" if world > 1 else ""
         logger.info(f"evaluating {loaded.description}{where} on {', '.join(tasks.tasks)}")
-        lm = HarnessLM(loaded.model, loaded.tokenizer, device, args.batch_size, args.gather_budget)
+        lm = HarnessLM(
+            loaded.model, loaded.tokenizer, device, args.batch_size, args.gather_budget, not args.unmerged_adapter
+        )
         model_args = {"pretrained": str(loaded.base_dir or args.source)}
         if loaded.adapter_dir is not None:
             model_args["peft"] = str(loaded.adapter_dir)

@@ -22,7 +22,9 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from peft.tuners.lora.layer import Linear as LoraLinear
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from fsdp_peft.core._compat.torch_patches import fsdp_param_groups
@@ -47,11 +49,15 @@ class GenerationSettings:
     gather_budget: str = "auto"
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
     stop_strings: tuple[str, ...] = ()  # also stop a completion once its text ends in one of these
+    merged_adapter: bool = True  # LoRA merged into the weights for each call (`adapters_merged`)
 
     @classmethod
     def from_recipe(cls, recipe) -> GenerationSettings:
         return cls(
-            recipe.generate_max_new_tokens, recipe.generate_batch_size, gather_budget=recipe.generate_gather_budget
+            recipe.generate_max_new_tokens,
+            recipe.generate_batch_size,
+            gather_budget=recipe.generate_gather_budget,
+            merged_adapter=recipe.generate_merged_adapter,
         )
 
     def sampling_kwargs(self) -> dict:
@@ -101,16 +107,19 @@ def _budget_agreed_by_all_ranks(budget: int | None) -> int | None:
 
 
 @contextlib.contextmanager
-def parameters_gathered(model: torch.nn.Module, budget: int | None) -> Iterator[bool]:
+def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool = False) -> Iterator[bool]:
     """Keep FSDP2 units gathered for the whole block, up to ``budget`` bytes; yields whether all are.
 
     Units are taken in module order (root, then layers in order) while they fit. On exit every kept unit
     is resharded and its ``reshard_after_forward`` setting restored. Collective: every rank must enter.
     Not an FSDP2 model: yields True when unsharded (nothing to gather), False for FSDP1.
+    ``merged``: the LoRA adapter merged into the weights for the block as well (`adapters_merged`, with what is left
+    of ``budget``).
     """
     units = _fsdp2_units(model)
     if not units:
-        yield not is_sharded(model)
+        with adapters_merged(model, budget) if merged else contextlib.nullcontext():
+            yield not is_sharded(model)
         return
     budget = _budget_agreed_by_all_ranks(budget)
     kept, used = [], 0
@@ -124,11 +133,74 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None) -> Iterator[
         for unit in kept:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        yield len(kept) == len(units)
+        with adapters_merged(model, None if budget is None else budget - used) if merged else contextlib.nullcontext():
+            yield len(kept) == len(units)
     finally:
         for unit, setting in zip(kept, saved):
             unit.reshard()
             _restore_reshard_setting(unit, setting)
+
+
+@contextlib.contextmanager
+def adapters_merged(model: torch.nn.Module, budget: int | None) -> Iterator[int]:
+    """The LoRA adapter merged into the base weights for the block, where that changes no weight beyond it; yields
+    how many layers are merged.
+
+    A layer computes ``x @ (W + s B A)ᵀ`` for the block instead of ``x @ Wᵀ + s (x @ Aᵀ) @ Bᵀ``: one matmul
+    instead of three, equal up to rounding. A LoRA linear layer is merged when its adapter is plain LoRA (one active
+    adapter, no variant such as DoRA, no LoRA bias), its dropout is inactive (eval mode, or ``lora_dropout: 0``), and
+    its base is a full-precision ``nn.Linear`` whose weight is whole here:
+    - under FSDP2, a unit gathered for the block (`parameters_gathered`): merged in place into the gathered copy,
+      which resharding drops (nothing to undo, no memory);
+    - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
+      fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit.
+    Units not gathered, FSDP1 (its weights gather per forward) and 4-bit layers stay unmerged.
+    """
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        yield 0
+        return
+    in_place = bool(_fsdp2_units(model))
+    merged, replaced, used = [], [], 0
+    try:
+        for layer in model.modules():
+            if not isinstance(layer, LoraLinear) or (adapter := _plain_adapter(layer)) is None:
+                continue
+            weight = layer.get_base_layer().weight
+            if in_place:
+                weight.data += layer.get_delta_weight(adapter).to(weight.dtype)
+            elif budget is None or used + weight.nbytes <= budget:
+                used += weight.nbytes
+                replaced.append((weight, weight.data))
+                weight.data = weight.data + layer.get_delta_weight(adapter).to(weight.dtype)
+            else:
+                continue
+            layer.merged_adapters.append(adapter)
+            merged.append(layer)
+        yield len(merged)
+    finally:
+        for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
+            layer.merged_adapters.clear()
+        for weight, original in replaced:
+            weight.data = original
+
+
+def _plain_adapter(layer) -> str | None:
+    """The name of ``layer``'s adapter when `adapters_merged` may merge it, else None."""
+    if layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    adapter = layer.active_adapters[0]
+    if adapter not in layer.lora_A or adapter in layer.lora_variant or layer.lora_bias[adapter]:
+        return None
+    dropout = layer.lora_dropout[adapter]
+    if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training:
+        return None
+    base = layer.get_base_layer()
+    if type(base) is not torch.nn.Linear:  # bitsandbytes' 4-bit and 8-bit layers subclass it
+        return None
+    tensors = (base.weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)
+    if any(isinstance(tensor, DTensor) for tensor in tensors):  # a shard: its unit is not gathered
+        return None
+    return adapter
 
 
 def _reshard_setting(unit) -> tuple:
@@ -163,7 +235,7 @@ def generate_completions(
     # the process group's ranks, the ones the gathers run over (`fsdp_peft.core.distributed.ranks`: the launcher's)
     rank, world = group_ranks()
     mine = list(range(rank, len(prompts), world))
-    with parameters_gathered(model, parse_gather_budget(settings.gather_budget)) as whole:
+    with parameters_gathered(model, parse_gather_budget(settings.gather_budget), settings.merged_adapter) as whole:
         synced = world > 1 and not whole
         # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
         calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None

@@ -219,6 +219,7 @@ def run_generate(args) -> None:
         temperature=args.temperature if args.temperature is not None else 1.0,
         top_p=args.top_p if args.top_p is not None else 1.0,
         gather_budget=args.gather_budget,
+        merged_adapter=not args.unmerged_adapter,
     )
     stream = len(prompts) == 1 and not args.json
     streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None

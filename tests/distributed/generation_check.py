@@ -1,8 +1,9 @@
 """Run under torchrun (2 gloo ranks): generation from an FSDP2-sharded LoRA model under gather budgets.
 
-Prints one JSON line on rank 0 with, per budget, the completions (as token ids) and the FSDP
-all-gathers each ``generate_completions`` call made on rank 0, the reference completions (each
-prompt alone, unsharded, before sharding), and the all-gathers of a training step before and after.
+Prints one JSON line on rank 0 with, per budget, the completions (as token ids), the FSDP all-gathers each
+``generate_completions`` call made on rank 0 and the LoRA layers that computed merged; the reference completions
+(each prompt alone, unsharded, the adapter unmerged, before sharding); the all-gathers of a training step before and
+after; and whether every shard is bit for bit what it was before generating.
 """
 
 import json
@@ -10,6 +11,7 @@ import json
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora.layer import Linear as LoraLinear
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +29,8 @@ from fsdp_peft.tools.generation import (
 
 NEW_TOKENS = 8
 start_process_group()  # and torn down at exit, while the interpreter is whole
+if not dist.is_initialized():  # one rank: FSDP2 on a group of one, as accelerate sets it up on one GPU
+    dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 recipe = RecipeArguments(torch_dtype="float32")
@@ -64,18 +68,34 @@ def training_step_all_gathers() -> int:
     return gathers[0]
 
 
-before = training_step_all_gathers()
-partial = sum(gathered_bytes(unit) for unit in units[:3])  # the root and the first two layers
-report = {"reference": reference, "units": len(units), "budgets": {}}
-for budget in ("all", "none", f"{partial}B"):
-    gathers[0] = 0
-    settings = GenerationSettings(NEW_TOKENS, batch_size=2, gather_budget=budget, ignore_eos=True)
-    completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
-    report["budgets"][budget] = {"completions": completions, "all_gathers": gathers[0]}
+merged_layers: set[str] = set()  # the LoRA layers that computed merged in a generate call
+lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLinear)}
+for name, layer in lora_layers.items():
+    layer.register_forward_pre_hook(lambda module, _, name=name: merged_layers.add(name) if module.merged else None)
 
+before = training_step_all_gathers()
+shards = {name: p.to_local().clone() for name, p in model.named_parameters()}
+partial = sum(gathered_bytes(unit) for unit in units[:3])  # the root and the first two layers
+report = {"reference": reference, "units": len(units), "lora_layers": len(lora_layers), "budgets": {}}
+for budget, merged in (("all", True), ("none", True), (f"{partial}B", True), ("all unmerged", False)):
+    gathers[0] = 0
+    merged_layers.clear()
+    settings = GenerationSettings(
+        NEW_TOKENS, batch_size=2, gather_budget=budget.split()[0], ignore_eos=True, merged_adapter=merged
+    )
+    completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+    report["budgets"][budget] = {
+        "completions": completions,
+        "all_gathers": gathers[0],
+        "merged_layers": sorted(merged_layers),
+    }
+report["shards_unchanged"] = all(torch.equal(p.to_local(), shards[name]) for name, p in model.named_parameters())
+report["merged_after"] = [name for name, layer in lora_layers.items() if layer.merged]
 report["training_step_all_gathers"] = [before, training_step_all_gathers()]
 report["all_parameters_sharded_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
 report["agreed_budget"] = _budget_agreed_by_all_ranks(None if rank == 0 else 12345)
 if rank == 0:
     print(json.dumps(report), flush=True)
 release_process_group()
+if dist.is_initialized():
+    dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""Generation from the sharded model: FSDP2 units gathered once per call within a budget, same tokens."""
+"""Generation from the sharded model: FSDP2 units gathered once per call within a budget, the adapter merged into
+the gathered units, same tokens."""
 
 from __future__ import annotations
 
@@ -16,9 +17,22 @@ def report(tiny_model_dir):
 
 
 def test_every_budget_generates_the_unsharded_tokens(report):
-    assert {"all", "none"} < set(report["budgets"]) and len(report["reference"]) > 0  # and one budget in bytes
+    """The reference: each prompt alone on the unsharded model, the adapter unmerged (peft's own forward)."""
+    assert {"all", "none", "all unmerged"} < set(report["budgets"]) and len(report["reference"]) > 0  # and bytes
     for budget, run in report["budgets"].items():
         assert run["completions"] == report["reference"], budget
+
+
+def test_the_adapter_is_merged_into_the_gathered_units_only_and_no_shard_changes(report):
+    runs = report["budgets"]
+    assert report["lora_layers"] == 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers
+    assert len(runs["all"]["merged_layers"]) == report["lora_layers"]
+    assert runs["none"]["merged_layers"] == runs["all unmerged"]["merged_layers"] == []
+    partial = next(run for budget, run in runs.items() if budget.endswith("B"))  # root + the first 2 layers
+    assert {name.split(".layers.")[1].split(".")[0] for name in partial["merged_layers"]} == {"0", "1"}
+    assert len(partial["merged_layers"]) == 2 * 7
+    # merged into the gathered copies, which resharding drops: every shard bit for bit as before, none left merged
+    assert report["shards_unchanged"] and report["merged_after"] == []
 
 
 def test_budget_all_gathers_each_unit_once_per_call_and_none_once_per_token(report):
@@ -35,5 +49,86 @@ def test_training_after_generation_reshards_as_before(report):
     assert after == before > 0
 
 
+def test_on_one_rank_too_the_merge_goes_into_the_gathered_copy_not_the_shard(tiny_model_dir):
+    """FSDP2 on a single rank (one GPU under accelerate launch): its all-gather copies the one shard, so merging into
+    the gathered weights leaves the trained weights as they were."""
+    one = last_json_line(torchrun(CHECK, processes=1).stdout)
+    assert (
+        one["budgets"]["all"]["completions"] == one["reference"] and len(one["budgets"]["all"]["merged_layers"]) == 28
+    )
+    assert one["shards_unchanged"] and one["merged_after"] == []
+
+
 def test_ranks_agree_on_the_smallest_budget(report):
     assert report["agreed_budget"] == 12345  # rank 0 asked for all, rank 1 for 12345 bytes
+
+
+def lora_model(tiny_model_dir, dropout: float = 0.0, base=None):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = base if base is not None else AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+def merged_while_generating(model) -> set[str]:
+    """The LoRA layers that computed merged in forwards from now on (hooks)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    seen: set[str] = set()
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLinear):
+            layer.register_forward_pre_hook(lambda module, _, name=name: seen.add(name) if module.merged else None)
+    return seen
+
+
+def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_weights_come_back(tiny_model_dir):
+    """Without FSDP the weights are the model's own: each merged layer computes with a merged copy for the call, as
+    many as the budget holds, and the weight itself is back after it, the same tensor bit for bit. The reference:
+    peft's own unmerged forward."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+
+    model, tokenizer = lora_model(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.batch_decode = lambda rows, **kwargs: [" ".join(map(str, row.tolist())) for row in rows]
+    prompts = [f"<|user|>{w}<|assistant|>" for w in ("apple", "river", "cloud")]
+    weights = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    seen = merged_while_generating(model)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    completions = {}
+    for budget, merged in (("all", False), ("all", True), (f"{q_proj.nbytes}B", True)):
+        seen.clear()
+        settings = GenerationSettings(NEW_TOKENS, batch_size=2, gather_budget=budget, merged_adapter=merged)
+        completions[budget, merged] = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+        completions[budget, merged] += [sorted(seen)]
+    assert completions["all", False][-1] == [] and len(completions["all", True][-1]) == 4 * 7
+    assert completions[f"{q_proj.nbytes}B", True][-1] == ["base_model.model.model.layers.0.self_attn.q_proj"]
+    assert (
+        completions["all", True][:-1] == completions[f"{q_proj.nbytes}B", True][:-1] == completions["all", False][:-1]
+    )
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == weights[name][0] and torch.equal(p, weights[name][1]), name
+    assert not any(getattr(module, "merged", False) for module in model.modules())
+
+
+def test_active_dropout_and_4_bit_bases_stay_unmerged(tiny_model_dir):
+    """Merging drops LoRA dropout from the forward: only where it is inactive (eval mode, or ``lora_dropout: 0`` in
+    training mode, as GRPO's rollouts run). A 4-bit base has no full-precision weight to merge into."""
+    from conftest import tiny_llama_in_4bit
+    from fsdp_peft.tools.generation import adapters_merged
+
+    dropping = lora_model(tiny_model_dir, dropout=0.1)
+    for training, merged in ((True, 0), (False, 4 * 7)):
+        dropping.train(training)
+        with adapters_merged(dropping, None) as count:
+            assert count == merged, training
+    without_dropout = lora_model(tiny_model_dir, dropout=0.0).train()
+    with adapters_merged(without_dropout, None) as count:
+        assert count == 4 * 7
+    with adapters_merged(lora_model(tiny_model_dir, base=tiny_llama_in_4bit(tiny_model_dir)).eval(), None) as count:
+        assert count == 0
