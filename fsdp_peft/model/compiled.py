@@ -1,5 +1,5 @@
 """The compiled step (``compile: true``): each decoder layer's forward compiled by ``torch.compile`` as a graph of
-its own, in training only.
+its own, in training only (training mode with gradients).
 
 The torchtitan pattern under FSDP2: one graph per block, not the whole model, so FSDP's all-gather hooks, activation
 checkpointing, the loss and the optimizer stay eager around it and a graph serves every layer (transformers passes
@@ -106,8 +106,8 @@ def _four_bit_when_compiled(module: torch.nn.Module, eager):
 def _training_compiled(layer: torch.nn.Module, eager):
     compiled = torch.compile(eager)
 
-    def forward(*args, **kwargs):
-        return (compiled if layer.training else eager)(*args, **kwargs)
+    def forward(*args, **kwargs):  # GRPO's rollouts generate in training mode, without gradients: eager
+        return (compiled if layer.training and torch.is_grad_enabled() else eager)(*args, **kwargs)
 
     return forward
 

@@ -16,6 +16,7 @@ from fsdp_peft.model.compiled import compile_layers
 
 
 def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_otherwise():
+    """Otherwise: evaluation, generate, and training mode without gradients (GRPO's rollouts)."""
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,6 +32,9 @@ def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_othe
     assert torch.equal(model(input_ids=ids).logits, eager)
     assert counters["stats"]["unique_graphs"] == before  # evaluation and generate: the eager forward
     model.train()
+    with torch.no_grad():  # GRPO's rollouts: training mode, no gradients, a KV cache that grows
+        assert torch.equal(model(input_ids=ids).logits, eager)
+    assert counters["stats"]["unique_graphs"] == before
     torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, eager, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] > before
 
