@@ -218,6 +218,12 @@ def peak_text(entry: dict, gib) -> str:
     return f"{gib(training)} (loading {gib(loading)})"
 
 
+def bound_text(entry: dict) -> str:
+    """A GRPO run's memory-bandwidth bound of its rollouts and the share of it they reached (n/a without a GPU)."""
+    bound = entry.get("rollout_bound_tokens_per_second")
+    return f"{bound:.0f} tok/s, {entry['rollout_share_of_bound']:.1%} of it" if bound else "n/a"
+
+
 def print_entry(entry: dict) -> None:
     head = f"{entry['model']:<8} {entry['method']:<6} {entry['impl']:<14}"
     if "failed" in entry:
@@ -232,7 +238,7 @@ def print_entry(entry: dict) -> None:
     if "rollout_tokens_per_second" in entry:
         number = lambda v: f"{v:.4g}" if v is not None else "n/a"  # noqa: E731
         print(
-            f"{head} rollouts {entry['rollout_tokens_per_second']:>8.0f} tok/s"
+            f"{head} rollouts {entry['rollout_tokens_per_second']:>8.0f} tok/s (bound {bound_text(entry)})"
             f"  step {entry['tokens_per_second']:>8.0f} tok/s (training {entry['training_tokens_per_second']:.0f})"
             f"  peak {peak_text(entry, gib)}  planned {gib(entry['planned']['allocator_bytes'])}"
             f"  loss {number(entry['final_loss'])} reward {number(entry['final_reward'])}"

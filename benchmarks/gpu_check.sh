@@ -13,7 +13,8 @@
 #   estimate next to the measured peak;
 # - GRPO (recipes/llama_grpo.py, ~1B shape, 64 completions x 128 tokens per step): rollout tokens/s of
 #   the recipe's generation path (FSDP2, one rank, units gathered once per generate call) against the
-#   unsharded model's generate and stock TRL's path (a gather per layer per decoded token), and a few
+#   unsharded model's generate and stock TRL's path (a gather per layer per decoded token), each next to its
+#   memory-bandwidth bound (completions x bandwidth / weight bytes per token step), and a few
 #   training steps of the recipe with LoRA and with QLoRA: tokens/s, peak GPU memory next to the plan,
 #   loss and reward finite;
 # - MoE (random-weight Qwen3-MoE shape: Qwen3-30B-A3B's layer, 8 layers of 64 experts, 2.7B parameters),

@@ -615,6 +615,14 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         liger = [line for line in report["skipped"] if "liger: Liger's Triton kernels need CUDA (planned " in line]
         assert [line.split(":")[0] for line in liger] == ["tiny/qlora/fsdp-peft liger", "tiny/qlora/plain liger"], liger
         assert [r["of"] for r in report["sft_ratios"]] == ["fsdp-peft"], report["sft_ratios"]
+        # the GRPO runs' rollouts: the weights a token step reads, the plan's base + adapter (+ 4-bit constants);
+        # no bandwidth, so no bound, without a GPU
+        grpo = [r for r in report["runs"] if r["impl"].startswith("grpo ")]
+        assert len(grpo) == 2 and all(r["rollout_bound_tokens_per_second"] is None for r in grpo), grpo
+        for run in grpo:
+            weights = [run["planned"]["components"][key] for key in ("base weights (shard)", "adapter weights (shard)")]
+            constants = run["planned"]["components"]["quantization constants (whole)"]
+            assert run["rollout_weight_bytes_per_token_step"] == sum(weights) + constants > 0, run
         # the split pair (2 gloo ranks against one process, QLoRA):
         # tests/parallel/test_sequence_parallel.py's QLoRA bound
         assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]

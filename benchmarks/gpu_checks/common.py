@@ -29,6 +29,11 @@ from train_cpu import scratch_directory  # noqa: E402, F401  (the benchmarks' sh
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
+# Memory bandwidth by the makers' data sheets (bytes/s; the SXM parts): what bounds decoding, which reads every weight
+# once per token step
+PEAK_MEMORY_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12, "L40S": 0.864e12, "A10G": 0.6e12}
+
+
 LORA = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gpu_checks.common import (
     LORA,
+    PEAK_MEMORY_BANDWIDTH,
     RECIPE_LAUNCH,
     last_line,
     peaks,
@@ -99,7 +100,29 @@ def grpo_run(entry: dict, mode: str, model: Path, gpu_memory: int, left: float) 
         )
     except grpo_rollouts.RunFailed as failed:
         return {"failed": last_line(str(failed))}
-    return grpo_figures(record)
+    figures = grpo_figures(record)
+    return figures | rollout_bound(figures, entry["planned"]["components"], size["completion_tokens"])
+
+
+def rollout_bound(figures: dict, components: dict, completion_tokens: int) -> dict:
+    """The memory-bandwidth bound of the rollouts: each token step reads every weight once (the base, 4-bit with its
+    constants for QLoRA, and the adapter, from the plan's counts) and makes a token for each completion in the call;
+    on a GPU of `PEAK_MEMORY_BANDWIDTH`, else none."""
+    import torch
+
+    weights = sum(components[key] for key in BOUND_WEIGHTS)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    bandwidth = next((v for k, v in PEAK_MEMORY_BANDWIDTH.items() if k in name), None)
+    rows = figures["rollout_tokens_per_call"] / completion_tokens  # completions decoded together
+    bound = rows * bandwidth / weights if bandwidth else None
+    return {
+        "rollout_weight_bytes_per_token_step": weights,
+        "rollout_bound_tokens_per_second": bound,
+        "rollout_share_of_bound": figures["rollout_tokens_per_second"] / bound if bound else None,
+    }
+
+
+BOUND_WEIGHTS = ("base weights (shard)", "adapter weights (shard)", "quantization constants (whole)")  # one rank
 
 
 def grpo_figures(record: dict) -> dict:
