@@ -11,11 +11,14 @@ prompts:
   them (``generate_merged_adapter: true``, the default);
 - ``sharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter: false``);
 - ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
-  (``generate_gather_budget: none``, what FSDP2 does by default).
+  (``generate_gather_budget: none``, what FSDP2 does by default);
+- ``peer``: plain transformers' own fast path in one process: the adapter merged by peft (``merge_and_unload``), a
+  static KV cache (``cache_implementation="static"``) and the forward compiled (``torch.compile``); its first call
+  (the warm-up) includes the compilation, and the graphs dynamo made are counted.
 
-Each run times ``--repeats`` calls after one warm-up call, counts FSDP all-gathers per call, and
-returns its completions; all must agree token for token. Prints a table and writes
-``benchmarks/results/generation.json`` (``generation_<model>_<prompts>_prompts.json`` for another model).
+Each run times ``--repeats`` calls after one warm-up call, counts FSDP all-gathers per call, and returns its
+completions; all but the peer's must agree token for token (the peer's agreement is reported). Prints a table and
+writes ``benchmarks/results/generation.json`` (``generation_<model>_<prompts>_prompts.json`` for another model).
 
     python benchmarks/generation.py
     python benchmarks/generation.py --prompts 8 --new-tokens 64 --repeats 5
@@ -36,7 +39,14 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-MODES = {"unsharded": None, "unsharded_1_thread": None, "sharded": "all", "sharded_unmerged": "all", "naive": "none"}
+MODES = {
+    "unsharded": None,
+    "unsharded_1_thread": None,
+    "sharded": "all",
+    "sharded_unmerged": "all",
+    "naive": "none",
+    "peer": None,
+}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -63,6 +73,10 @@ def worker(args: argparse.Namespace) -> None:
     )
     if sharded:
         shard_for_generation(model, torch.device("cpu"))
+    if args.worker == "peer":
+        model = model.merge_and_unload()
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, dynamic=False)
     gathers = [0]
     original = _fsdp_param_group.foreach_all_gather
 
@@ -83,7 +97,9 @@ def worker(args: argparse.Namespace) -> None:
         ignore_eos=True,
         merged_adapter=not args.worker.endswith("_unmerged"),
     )
-    generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))  # warm-up
+    warm_up = time.perf_counter()
+    generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+    warm_up = time.perf_counter() - warm_up
     gathers[0] = 0
     if sharded:
         dist.barrier()
@@ -92,6 +108,8 @@ def worker(args: argparse.Namespace) -> None:
         completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
     seconds = (time.perf_counter() - start) / args.repeats
     if not sharded or dist.get_rank() == 0:
+        from torch._dynamo.utils import counters
+
         tokens = args.prompts * args.new_tokens
         print(
             json.dumps(
@@ -100,6 +118,8 @@ def worker(args: argparse.Namespace) -> None:
                     "seconds_per_call": seconds,
                     "tokens_per_call": tokens,
                     "tokens_per_second": tokens / seconds,
+                    "first_call_seconds": warm_up,
+                    "graphs_compiled": counters["stats"]["unique_graphs"],
                     "all_gathers_per_call_rank0": gathers[0] / args.repeats,
                     "processes": dist.get_world_size() if sharded else 1,
                     "threads_per_process": torch.get_num_threads(),
@@ -166,12 +186,14 @@ def main() -> None:
     runs = {mode: run(mode, args) for mode in MODES}
     completions = {mode: r.pop("completions") for mode, r in runs.items()}
     reference = max(("unsharded", "unsharded_1_thread"), key=lambda mode: runs[mode]["tokens_per_second"])
-    agree = all(c == completions["unsharded"] for c in completions.values())
+    agree = all(c == completions["unsharded"] for mode, c in completions.items() if mode != "peer")
+    peer_agrees = completions["peer"] == completions["unsharded"]
     for mode, r in runs.items():
         print(
             f"{mode:>18}: {r['tokens_per_second']:8.1f} tokens/s  ({r['seconds_per_call']:.3f} s per call, "
             f"{r['processes']} process(es) x {r['threads_per_process']} thread(s), "
-            f"{r['all_gathers_per_call_rank0']:.0f} all-gathers per call)"
+            f"{r['all_gathers_per_call_rank0']:.0f} all-gathers per call; first call {r['first_call_seconds']:.1f} s, "
+            f"{r['graphs_compiled']} graphs compiled)"
         )
     ratio = runs["sharded"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
     naive_ratio = runs["naive"]["tokens_per_second"] / runs[reference]["tokens_per_second"]
@@ -179,8 +201,12 @@ def main() -> None:
     print(
         f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}"
     )
+    peer_ratio = runs["sharded"]["tokens_per_second"] / runs["peer"]["tokens_per_second"]
     print(f"adapter merged / unmerged (sharded, all gathered): {merged_ratio:.2f}")
-    print(f"completions identical across the {len(runs)} runs: {agree}")
+    print(f"sharded / peer (plain transformers, static cache, compiled): {peer_ratio:.2f}")
+    print(
+        f"completions identical across the {len(runs) - 1} runs of fsdp-peft's code: {agree}; the peer's: {peer_agrees}"
+    )
     import transformers
 
     report = {
@@ -197,6 +223,8 @@ def main() -> None:
         "model": args.model,
         "sharded_over_unsharded": ratio,
         "merged_over_unmerged": merged_ratio,
+        "sharded_over_peer": peer_ratio,
+        "peer_completions_identical": peer_agrees,
         "naive_over_unsharded": naive_ratio,
         "completions_identical": agree,
     }
