@@ -1,5 +1,5 @@
 """The compiled step (``compile: true``): each decoder layer's forward compiled by ``torch.compile`` as a graph of
-its own, in training only (training mode with gradients).
+its own, in training only (training mode, outside generation's `eager_layers` blocks).
 
 The torchtitan pattern under FSDP2: one graph per block, not the whole model, so FSDP's all-gather hooks, activation
 checkpointing, the loss and the optimizer stay eager around it and a graph serves every layer (transformers passes
@@ -10,7 +10,9 @@ sequence length makes the length dynamic: about four graphs in all, counted in `
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -103,11 +105,25 @@ def _four_bit_when_compiled(module: torch.nn.Module, eager):
     return forward
 
 
+_EAGER_BLOCKS = [0]  # `eager_layers` blocks open
+
+
+@contextlib.contextmanager
+def eager_layers() -> Iterator[None]:
+    """The compiled layers run their eager forward in the block, whatever the mode: generation (GRPO's rollouts run in
+    training mode, with a KV cache that grows every token)."""
+    _EAGER_BLOCKS[0] += 1
+    try:
+        yield
+    finally:
+        _EAGER_BLOCKS[0] -= 1
+
+
 def _training_compiled(layer: torch.nn.Module, eager):
     compiled = torch.compile(eager)
 
-    def forward(*args, **kwargs):  # GRPO's rollouts generate in training mode, without gradients: eager
-        return (compiled if layer.training and torch.is_grad_enabled() else eager)(*args, **kwargs)
+    def forward(*args, **kwargs):
+        return (compiled if layer.training and not _EAGER_BLOCKS[0] else eager)(*args, **kwargs)
 
     return forward
 

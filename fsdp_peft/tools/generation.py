@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,10 @@ from fsdp_peft.core.distributed import gathered_from_every_rank
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.run_file_names import EVAL_SAMPLES_FILE
 from fsdp_peft.core.safetensors_io import parse_size
+from fsdp_peft.core.xla import on_xla
 from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
+from fsdp_peft.model.compiled import eager_layers
 from fsdp_peft.parallel.fsdp_layout import is_sharded
 
 
@@ -118,7 +121,7 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
     """
     units = _fsdp2_units(model)
     if not units:
-        with adapters_merged(model, budget) if merged else contextlib.nullcontext():
+        with eager_layers(), adapters_merged(model, budget) if merged else contextlib.nullcontext():
             yield not is_sharded(model)
         return
     budget = _budget_agreed_by_all_ranks(budget)
@@ -133,7 +136,8 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
         for unit in kept:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        with adapters_merged(model, None if budget is None else budget - used) if merged else contextlib.nullcontext():
+        merging = adapters_merged(model, None if budget is None else budget - used, kept) if merged else None
+        with eager_layers(), merging or contextlib.nullcontext():
             yield len(kept) == len(units)
     finally:
         for unit, setting in zip(kept, saved):
@@ -142,7 +146,7 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
 
 
 @contextlib.contextmanager
-def adapters_merged(model: torch.nn.Module, budget: int | None) -> Iterator[int]:
+def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | None = None) -> Iterator[int]:
     """The LoRA adapter merged into the base weights for the block, where that changes no weight beyond it; yields
     how many layers are merged.
 
@@ -150,20 +154,26 @@ def adapters_merged(model: torch.nn.Module, budget: int | None) -> Iterator[int]
     instead of three, equal up to rounding. A LoRA linear layer is merged when its adapter is plain LoRA (one active
     adapter, no variant such as DoRA, no LoRA bias), its dropout is inactive (eval mode, or ``lora_dropout: 0``), and
     its base is a full-precision ``nn.Linear`` whose weight is whole here:
-    - under FSDP2, a unit gathered for the block (`parameters_gathered`): merged in place into the gathered copy,
-      which resharding drops (nothing to undo, no memory);
+    - under FSDP2, a unit ``kept`` gathered for the block (`parameters_gathered`): merged in place into the gathered
+      copy, which resharding at its end drops (nothing to undo, no memory); a unit gathered before the block and not
+      kept (a root, or ``reshard_after_forward: false`` after a forward) stays unmerged: it is not resharded after;
     - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
       fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit.
-    Units not gathered, FSDP1 (its weights gather per forward) and 4-bit layers stay unmerged.
+    Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
+    weight shared with another module (tied embeddings) and 4-bit layers stay unmerged.
     """
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+    if on_xla() or any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
         yield 0
         return
     in_place = bool(_fsdp2_units(model))
+    owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
+    shared = _shared_parameters(model)
     merged, replaced, used = [], [], 0
     try:
         for layer in model.modules():
             if not isinstance(layer, LoraLinear) or (adapter := _plain_adapter(layer)) is None:
+                continue
+            if (in_place and id(layer) not in owned) or id(layer.get_base_layer().weight) in shared:
                 continue
             weight = layer.get_base_layer().weight
             if in_place:
@@ -182,6 +192,22 @@ def adapters_merged(model: torch.nn.Module, budget: int | None) -> Iterator[int]
             layer.merged_adapters.clear()
         for weight, original in replaced:
             weight.data = original
+
+
+def _owned_modules(unit: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose parameters FSDP2 unit ``unit`` manages: its subtree less the units nested in it."""
+    owned, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        owned.append(module)
+        stack.extend(child for child in module.children() if not isinstance(child, FSDPModule))
+    return owned
+
+
+def _shared_parameters(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters more than one module holds (tied weights)."""
+    seen = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in seen.items() if count > 1}
 
 
 def _plain_adapter(layer) -> str | None:

@@ -89,6 +89,26 @@ for budget, merged in (("all", True), ("none", True), (f"{partial}B", True), ("a
         "all_gathers": gathers[0],
         "merged_layers": sorted(merged_layers),
     }
+# Units left gathered by a forward before the call (reshard_after_forward: false) and not kept (budget none): FSDP2
+# does not reshard them after the call, so they must stay unmerged; the next forward computes as the one before.
+for unit in units[1:]:
+    unit.set_reshard_after_forward(False, recurse=False)
+model.eval()
+with torch.no_grad():
+    logits_before = model(**batch).logits
+merged_layers.clear()
+settings = GenerationSettings(NEW_TOKENS, batch_size=2, gather_budget="none", ignore_eos=True)
+completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+with torch.no_grad():
+    logits_after = model(**batch).logits
+report["gathered_before_the_call"] = {
+    "completions": completions,
+    "merged_layers": sorted(merged_layers),
+    "next_forward_unchanged": torch.equal(logits_before, logits_after),
+}
+for unit in units:
+    unit.set_reshard_after_forward(unit is not units[0], recurse=False)
+    unit.reshard()
 report["shards_unchanged"] = all(torch.equal(p.to_local(), shards[name]) for name, p in model.named_parameters())
 report["merged_after"] = [name for name, layer in lora_layers.items() if layer.merged]
 report["training_step_all_gathers"] = [before, training_step_all_gathers()]

@@ -12,11 +12,11 @@ import torch
 
 from conftest import REPO, launch_recipe, logged_losses, read_json, run_launch
 from fsdp_peft.core.errors import ConfigError
-from fsdp_peft.model.compiled import compile_layers
+from fsdp_peft.model.compiled import compile_layers, eager_layers
 
 
 def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_otherwise():
-    """Otherwise: evaluation, generate, and training mode without gradients (GRPO's rollouts)."""
+    """Otherwise: evaluation, and generation (`eager_layers`: GRPO's rollouts run in training mode)."""
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,7 +32,7 @@ def test_each_layer_runs_its_compiled_forward_in_training_and_the_eager_one_othe
     assert torch.equal(model(input_ids=ids).logits, eager)
     assert counters["stats"]["unique_graphs"] == before  # evaluation and generate: the eager forward
     model.train()
-    with torch.no_grad():  # GRPO's rollouts: training mode, no gradients, a KV cache that grows
+    with eager_layers(), torch.no_grad():  # GRPO's rollouts: training mode, a KV cache that grows
         assert torch.equal(model(input_ids=ids).logits, eager)
     assert counters["stats"]["unique_graphs"] == before
     torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, eager, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,11 @@ def test_the_adapter_is_merged_into_the_gathered_units_only_and_no_shard_changes
     assert len(partial["merged_layers"]) == 2 * 7
     # merged into the gathered copies, which resharding drops: every shard bit for bit as before, none left merged
     assert report["shards_unchanged"] and report["merged_after"] == []
+    # units gathered before the call and not kept (FSDP2 leaves them gathered after it): unmerged, the same tokens,
+    # and the next forward computes as the one before the call (no adapter applied twice)
+    before = report["gathered_before_the_call"]
+    assert before["merged_layers"] == [] and before["completions"] == report["reference"]
+    assert before["next_forward_unchanged"]
 
 
 def test_budget_all_gathers_each_unit_once_per_call_and_none_once_per_token(report):
@@ -132,3 +137,21 @@ def test_active_dropout_and_4_bit_bases_stay_unmerged(tiny_model_dir):
         assert count == 4 * 7
     with adapters_merged(lora_model(tiny_model_dir, base=tiny_llama_in_4bit(tiny_model_dir)).eval(), None) as count:
         assert count == 0
+
+
+def test_a_weight_tied_to_another_module_stays_unmerged(tiny_model_dir):
+    """An adapter on a tied output layer: merging into its weight would change the input embedding too."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_peft.tools.generation import adapters_merged
+
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    embedding = tied.model.embed_tokens.weight.detach().clone()
+    config = LoraConfig(r=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    model = get_peft_model(tied, config).eval()
+    with adapters_merged(model, None) as count:
+        assert count == 4  # the 4 layers' q_proj; not lm_head
+        assert torch.equal(model.get_base_model().model.embed_tokens.weight, embedding)
