@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from peft.tuners.lora.layer import Linear as LoraLinear
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
@@ -162,10 +162,10 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
     weight shared with another module (tied embeddings) and 4-bit layers stay unmerged.
     """
-    if on_xla() or any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+    in_place = bool(_fsdp2_units(model))
+    if on_xla() or (is_sharded(model) and not in_place):  # XLA, FSDP1
         yield 0
         return
-    in_place = bool(_fsdp2_units(model))
     owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
     shared = _shared_parameters(model)
     merged, replaced, used = [], [], 0
@@ -173,9 +173,9 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
         for layer in model.modules():
             if not isinstance(layer, LoraLinear) or (adapter := _plain_adapter(layer)) is None:
                 continue
-            if (in_place and id(layer) not in owned) or id(layer.get_base_layer().weight) in shared:
-                continue
             weight = layer.get_base_layer().weight
+            if (in_place and id(layer) not in owned) or id(weight) in shared:
+                continue
             if in_place:
                 weight.data += layer.get_delta_weight(adapter).to(weight.dtype)
             elif budget is None or used + weight.nbytes <= budget:
