@@ -9,7 +9,10 @@ prompts:
 - ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.parallel.fsdp_policies.shard_for_generation`), prompts spread over
   the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``) and the adapter merged into
   them (``generate_merged_adapter: true``, the default);
-- ``sharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter: false``);
+- ``sharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter: false``): the eager path as
+  it was before the adapter was merged and the decode step compiled;
+- ``sharded_compiled`` and ``unsharded_compiled``: the adapter merged and the decode step compiled over a static,
+  bucketed KV cache (``generate_compiled: true``, `fsdp_peft.tools.decoding`); the first call includes compiling;
 - ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
   (``generate_gather_budget: none``, what FSDP2 does by default);
 - ``peer``: plain transformers' own fast path in one process: the adapter merged by peft (``merge_and_unload``), a
@@ -42,8 +45,10 @@ HERE = Path(__file__).resolve().parent
 MODES = {
     "unsharded": None,
     "unsharded_1_thread": None,
+    "unsharded_compiled": None,
     "sharded": "all",
     "sharded_unmerged": "all",
+    "sharded_compiled": "all",
     "naive": "none",
     "peer": None,
 }
@@ -96,6 +101,7 @@ def worker(args: argparse.Namespace) -> None:
         gather_budget=MODES[args.worker] or "all",
         ignore_eos=True,
         merged_adapter=not args.worker.endswith("_unmerged"),
+        compiled="true" if args.worker.endswith("_compiled") else "false",
     )
     warm_up = time.perf_counter()
     generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
@@ -202,8 +208,18 @@ def main() -> None:
         f"reference: {reference}; sharded / unsharded: {ratio:.2f} (goal >= 0.8); naive / unsharded: {naive_ratio:.2f}"
     )
     peer_ratio = runs["sharded"]["tokens_per_second"] / runs["peer"]["tokens_per_second"]
+    compiled = {
+        layout: runs[f"{layout}_compiled"]["tokens_per_second"] / runs[eager]["tokens_per_second"]
+        for layout, eager in (("sharded", "sharded_unmerged"), ("unsharded", "unsharded"))
+    }
+    compiled_over_peer = runs["unsharded_compiled"]["tokens_per_second"] / runs["peer"]["tokens_per_second"]
     print(f"adapter merged / unmerged (sharded, all gathered): {merged_ratio:.2f}")
     print(f"sharded / peer (plain transformers, static cache, compiled): {peer_ratio:.2f}")
+    print(
+        f"compiled decode step: sharded / sharded_unmerged (the eager path before) {compiled['sharded']:.2f}; "
+        f"unsharded / unsharded eager {compiled['unsharded']:.2f}; unsharded / peer (one process each) "
+        f"{compiled_over_peer:.2f}"
+    )
     print(
         f"completions identical across the {len(runs) - 1} runs of fsdp-peft's code: {agree}; the peer's: {peer_agrees}"
     )
@@ -224,6 +240,9 @@ def main() -> None:
         "sharded_over_unsharded": ratio,
         "merged_over_unmerged": merged_ratio,
         "sharded_over_peer": peer_ratio,
+        "sharded_compiled_over_sharded_unmerged": compiled["sharded"],
+        "unsharded_compiled_over_unsharded": compiled["unsharded"],
+        "unsharded_compiled_over_peer": compiled_over_peer,
         "peer_completions_identical": peer_agrees,
         "naive_over_unsharded": naive_ratio,
         "completions_identical": agree,

@@ -14,6 +14,8 @@ from fsdp_peft.core.errors import ConfigError, exits_cleanly_on_user_error
 from fsdp_peft.core.unreachable_hub import hub_data_out_of_reach_noted
 from fsdp_peft.settings.catalog import copy_shipped, shipped
 from fsdp_peft.settings.choices import (
+    COMPILED_CHOICES,
+    COMPILED_DECODING_HELP,
     GATHER_BUDGET_HELP,
     OFFLINE_MODEL_NAMES,
     TINY_COLORS_NAME,
@@ -305,6 +307,7 @@ def _add_model_commands(commands) -> None:
     generate.add_argument("--batch-size", type=int, default=8, help="prompts per generate call on each rank")
     generate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     generate.add_argument("--unmerged-adapter", action="store_true", help=UNMERGED_ADAPTER_HELP)
+    generate.add_argument("--compiled", choices=COMPILED_CHOICES, default="auto", help=COMPILED_DECODING_HELP)
     generate.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, completion")
     generate.set_defaults(run=_generate)
     evaluate = commands.add_parser(
@@ -346,6 +349,7 @@ def _add_model_commands(commands) -> None:
     evaluate.add_argument("--batch-size", type=int, default=32, help="requests per forward or generate call per rank")
     evaluate.add_argument("--gather-budget", default="auto", help=f"FSDP2 weights kept gathered: {GATHER_BUDGET_HELP}")
     evaluate.add_argument("--unmerged-adapter", action="store_true", help=UNMERGED_ADAPTER_HELP)
+    evaluate.add_argument("--compiled", choices=COMPILED_CHOICES, default="auto", help=COMPILED_DECODING_HELP)
     evaluate.set_defaults(run=_eval)
     tiny = commands.add_parser(
         "tiny-model",

@@ -88,21 +88,32 @@ def _four_bit_when_compiled(module: torch.nn.Module, eager):
     def forward(x):
         if not torch.compiler.is_compiling():
             return eager(x)
-        state = module.quant_state
-        absmax = state.absmax
-        if state.nested:
-            nested = state.state2
-            absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
-                absmax, nested.absmax, nested.code, nested.blocksize, torch.float32
-            )
-            absmax = absmax + state.offset
         dtype = module.compute_dtype or x.dtype
-        shape = list(state.shape)
         bias = None if module.bias is None else module.bias.to(dtype)
-        packed, blocksize, quant_type = module.weight, state.blocksize, state.quant_type
-        return four_bit_linear(x.to(dtype), bias, packed, absmax, blocksize, quant_type, shape, state.dtype).to(x.dtype)
+        return four_bit_linear(x.to(dtype), bias, *_four_bit_parts(module)).to(x.dtype)
 
     return forward
+
+
+def _four_bit_parts(module: torch.nn.Module) -> tuple:
+    """A bitsandbytes ``Linear4bit``'s packed weight and what dequantizes it (`four_bit_linear`'s arguments after
+    ``x`` and ``bias``), its quantization state read now (low-memory loading sets it after the model is built); the
+    block scales of a doubly quantized weight dequantized first."""
+    state = getattr(module, "quant_state", None) or module.weight.quant_state
+    absmax = state.absmax
+    if state.nested:
+        nested = state.state2
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
+            absmax, nested.absmax, nested.code, nested.blocksize, torch.float32
+        )
+        absmax = absmax + state.offset
+    return module.weight, absmax, state.blocksize, state.quant_type, list(state.shape), state.dtype
+
+
+def four_bit_weight(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A bitsandbytes ``Linear4bit``'s weight dequantized, in ``dtype``: what its forward multiplies by (it
+    dequantizes in the stored dtype, then casts to the compute dtype)."""
+    return _dequantized(*_four_bit_parts(module), dtype)
 
 
 _EAGER_BLOCKS = [0]  # `eager_layers` blocks open

@@ -12,6 +12,7 @@ with its adapter disabled, as in the DPO recipes (no second copy).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -36,6 +37,7 @@ from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
 from fsdp_peft.tools.generation import (
     GenerationSettings,
+    decode_step,
     generate_completions,
     parameters_gathered,
     parse_gather_budget,
@@ -68,8 +70,10 @@ class GatheredRollouts:
     """Mixed into TRL's `GRPOTrainer` (`fsdp_peft.procedures.trainer.trl_trainer`): rollouts with every FSDP2 unit
     gathered once per call, prompts tokenized as the recipes' own generation tokenizes them."""
 
-    def __init__(self, *args, gather_budget: str = "auto", merged_adapter: bool = True, **kwargs):
-        self.gather_budget, self.merged_adapter = gather_budget, merged_adapter
+    def __init__(
+        self, *args, gather_budget: str = "auto", merged_adapter: bool = True, compiled: str = "auto", **kwargs
+    ):
+        self.gather_budget, self.merged_adapter, self.compiled = gather_budget, merged_adapter, compiled
         super().__init__(*args, **kwargs)
 
     def _tokenize_prompts(self, prompts: list):
@@ -80,14 +84,24 @@ class GatheredRollouts:
         return super()._tokenize_prompts(prompts)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget) and
-        the adapter merged into them (`fsdp_peft.tools.generation.adapters_merged`, unless generate_merged_adapter is
-        false)."""
+        """TRL's sampling, unchanged, with the FSDP2 units kept gathered for the call (up to the gather budget), 4-bit
+        layers dequantized and the adapter merged into them (`fsdp_peft.tools.generation.parameters_gathered`, unless
+        generate_merged_adapter is false), and the decode step compiled over a static cache where it can be
+        (`fsdp_peft.tools.generation.decode_step`, generate_compiled)."""
         arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*arguments)
-        with parameters_gathered(self.model_wrapped, parse_gather_budget(self.gather_budget), self.merged_adapter):
-            return super()._generate_single_turn(*arguments)
+        budget = parse_gather_budget(self.gather_budget)
+        with parameters_gathered(self.model_wrapped, budget, self.merged_adapter) as whole:
+            width = max((len(ids) for ids in prompt_ids), default=0)
+            with decode_step(self.model, self.compiled, whole, width, self.max_completion_length) as decoding:
+                configured = self.generation_config
+                self.generation_config = copy.deepcopy(configured)
+                self.generation_config.update(**decoding)
+                try:
+                    return super()._generate_single_turn(*arguments)
+                finally:
+                    self.generation_config = configured
 
     def _generate_and_score_completions(self, inputs):
         """TRL's rollouts and scores, without the FutureWarning its checkpointing switches raise (in `_compat`)."""
@@ -211,6 +225,7 @@ def _trainer(setup: Setup, shared: dict):
     train_data, _, functions = setup.data
     generation = {"gather_budget": setup.recipe.generate_gather_budget}
     generation["merged_adapter"] = setup.recipe.generate_merged_adapter
+    generation["compiled"] = setup.recipe.generate_compiled
     return rollout_trainer()(setup.model, reward_funcs=functions, train_dataset=train_data, **generation, **shared)
 
 

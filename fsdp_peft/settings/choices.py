@@ -22,6 +22,11 @@ TINY_PREFERENCE_NAME = "tiny-preference"
 TINY_COLORS_NAME = "tiny-colors"  # the image task of the vision-language recipes
 
 GATHER_BUDGET_HELP = "'auto' (half the free device memory), 'all', 'none' (gather per forward) or a size like 8GiB"
+COMPILED_CHOICES = ("auto", "true", "false")  # generate_compiled (fsdp_peft.tools.decoding)
+COMPILED_DECODING_HELP = (
+    "'auto' (on a GPU: a static KV cache and each token's forward compiled, a CUDA graph; eager on CPU, where "
+    "compiling costs more than short runs save), 'true' (compiled on CPU too) or 'false' (eager)"
+)
 UNMERGED_ADAPTER_HELP = (
     "compute with the LoRA adapter unmerged, as in training, instead of merged into the weights for each generate "
     "call (faster, equal up to rounding)"

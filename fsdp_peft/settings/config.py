@@ -27,7 +27,7 @@ from fsdp_peft.core.strict_yaml import load_yaml_file
 from fsdp_peft.core.xla import on_xla
 from fsdp_peft.settings.catalog import shipped_config
 from fsdp_peft.settings.checkpointing import AUTO, CHECKPOINTING_KEYS
-from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, TINY_DATASET_NAME, TINY_MODEL_NAME
+from fsdp_peft.settings.choices import COMPILED_DECODING_HELP, GATHER_BUDGET_HELP, TINY_DATASET_NAME, TINY_MODEL_NAME
 from fsdp_peft.settings.families import AUTO_TARGETS
 from fsdp_peft.settings.four_bit import DEFAULTS as FOUR_BIT
 from fsdp_peft.settings.fsdp_settings import trainer_fsdp_arguments
@@ -212,6 +212,10 @@ class RecipeArguments:
             "false: unmerged, as in training"
         },
     )
+    generate_compiled: str = field(
+        default="auto",
+        metadata={"help": "generation's decode step: " + COMPILED_DECODING_HELP + " (docs/generation.md)"},
+    )
     generate_eval_samples: int = field(
         default=4, metadata={"help": "held-out prompts completed and shown at each evaluation; 0: none"}
     )
@@ -284,6 +288,7 @@ class RecipeArguments:
         self.bnb_4bit_quant_storage = dtype_named(self.bnb_4bit_quant_storage) or self.bnb_4bit_quant_storage
         self.fsdp_reduce_dtype = dtype_named(self.fsdp_reduce_dtype) or self.fsdp_reduce_dtype
         self.export_dtype = short_dtype_name(self.export_dtype) or self.export_dtype
+        self.generate_compiled = str(self.generate_compiled).strip().lower()  # YAML's true/false arrive as bools
 
 
 def keys_set(values: dict) -> set[str]:

@@ -73,10 +73,12 @@ class HarnessLM(LM):
         batch_size: int = 32,
         gather_budget: str = "auto",
         merged_adapter: bool = True,
+        compiled: str = "auto",
     ):
         super().__init__()
         self.model, self.tokenizer, self._device = model, tokenizer, device
         self.batch_size, self.gather_budget, self.merged_adapter = batch_size, gather_budget, merged_adapter
+        self.compiled = compiled
         self._rank, self._world_size = group_ranks()
         text_config = model.config.get_text_config()
         self.max_length = getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length
@@ -211,7 +213,7 @@ class HarnessLM(LM):
                 prompts = [requests[i].args[0] for i in indices]
                 self._check_length(prompts, settings.max_new_tokens)
                 texts = complete_on_this_rank(
-                    self.model, self.tokenizer, prompts, settings, self.device, calls, requests[0].args[0]
+                    self.model, self.tokenizer, prompts, settings, self.device, calls, requests[0].args[0], whole=whole
                 )
                 for i, text in zip(indices, texts):
                     completions[i] = _cut_at_stop(text, until)
@@ -234,6 +236,7 @@ class HarnessLM(LM):
             top_p=float(kwargs.get("top_p") or 1.0),
             gather_budget=self.gather_budget,
             merged_adapter=self.merged_adapter,
+            compiled=self.compiled,
             stop_strings=tuple(stop for stop in until if stop and stop != self.tokenizer.eos_token),
         )
         return settings, until
@@ -334,7 +337,7 @@ def evaluate_trained_model(
     when = f"at step {step}" if step is not None else "on the trained model"
     logger.info(f"harness tasks {when}: {', '.join(tasks.tasks)}")
     settings = (recipe["generate_batch_size"], recipe["generate_gather_budget"], recipe["generate_merged_adapter"])
-    lm = HarnessLM(model, tokenizer, device, *settings)
+    lm = HarnessLM(model, tokenizer, device, *settings, recipe.get("generate_compiled", "auto"))
     model_args = {"pretrained": str(recipe["model_name_or_path"]), "peft": source}
     held = "as the trainer holds it" if step is None else f"as the trainer holds it at step {step}"
     about = {"source": source, "model": f"{recipe['model_name_or_path']} + adapter, {held}", "base_only": False}
@@ -413,7 +416,13 @@ def run_eval(args) -> None:
         where = f", sharded over {world} ranks" if world > 1 else ""
         logger.info(f"evaluating {loaded.description}{where} on {', '.join(tasks.tasks)}")
         lm = HarnessLM(
-            loaded.model, loaded.tokenizer, device, args.batch_size, args.gather_budget, not args.unmerged_adapter
+            loaded.model,
+            loaded.tokenizer,
+            device,
+            args.batch_size,
+            args.gather_budget,
+            not args.unmerged_adapter,
+            args.compiled,
         )
         model_args = {"pretrained": str(loaded.base_dir or args.source)}
         if loaded.adapter_dir is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.layer import LoraLayer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
@@ -36,8 +37,9 @@ from fsdp_peft.core.safetensors_io import parse_size
 from fsdp_peft.core.xla import on_xla
 from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
-from fsdp_peft.model.compiled import eager_layers
+from fsdp_peft.model.compiled import eager_layers, four_bit_weight
 from fsdp_peft.parallel.fsdp_layout import is_sharded
+from fsdp_peft.tools.decoding import decoding_for_call, say_graphs_compiled
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class GenerationSettings:
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
     stop_strings: tuple[str, ...] = ()  # also stop a completion once its text ends in one of these
     merged_adapter: bool = True  # LoRA merged into the weights for each call (`adapters_merged`)
+    compiled: str = "auto"  # the decode step compiled over a static cache (`fsdp_peft.tools.decoding`)
 
     @classmethod
     def from_recipe(cls, recipe) -> GenerationSettings:
@@ -61,6 +64,7 @@ class GenerationSettings:
             recipe.generate_batch_size,
             gather_budget=recipe.generate_gather_budget,
             merged_adapter=recipe.generate_merged_adapter,
+            compiled=recipe.generate_compiled,
         )
 
     def sampling_kwargs(self) -> dict:
@@ -116,13 +120,15 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
     Units are taken in module order (root, then layers in order) while they fit. On exit every kept unit
     is resharded and its ``reshard_after_forward`` setting restored. Collective: every rank must enter.
     Not an FSDP2 model: yields True when unsharded (nothing to gather), False for FSDP1.
-    ``merged``: the LoRA adapter merged into the weights for the block as well (`adapters_merged`, with what is left
-    of ``budget``).
+    Within what is left of ``budget``, 4-bit layers compute with their weights dequantized once for the block
+    (`four_bit_dequantized`), and with ``merged`` the LoRA adapter is merged into the weights (`adapters_merged`).
     """
     units = _fsdp2_units(model)
     if not units:
-        with eager_layers(), adapters_merged(model, budget) if merged else contextlib.nullcontext():
-            yield not is_sharded(model)
+        with eager_layers(), four_bit_dequantized(model, budget) as dense:
+            left = None if budget is None else budget - dense
+            with adapters_merged(model, left) if merged else contextlib.nullcontext():
+                yield not is_sharded(model)
         return
     budget = _budget_agreed_by_all_ranks(budget)
     kept, used = [], 0
@@ -136,9 +142,10 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
         for unit in kept:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        merging = adapters_merged(model, None if budget is None else budget - used, kept) if merged else None
-        with eager_layers(), merging or contextlib.nullcontext():
-            yield len(kept) == len(units)
+        with eager_layers(), four_bit_dequantized(model, None if budget is None else budget - used, kept) as dense:
+            left = None if budget is None else budget - used - dense
+            with adapters_merged(model, left, kept) if merged else contextlib.nullcontext():
+                yield len(kept) == len(units)
     finally:
         for unit, setting in zip(kept, saved):
             unit.reshard()
@@ -171,7 +178,7 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     merged, replaced, used = [], [], 0
     try:
         for layer in model.modules():
-            if not isinstance(layer, LoraLinear) or (adapter := _plain_adapter(layer)) is None:
+            if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
                 continue
             weight = layer.get_base_layer().weight
             if (in_place and id(layer) not in owned) or id(weight) in shared:
@@ -192,6 +199,63 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
             layer.merged_adapters.clear()
         for weight, original in replaced:
             weight.data = original
+
+
+@contextlib.contextmanager
+def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list | None = None) -> Iterator[int]:
+    """Each bitsandbytes 4-bit linear layer whose weight is whole here replaced, for the block, by a plain
+    ``nn.Linear`` holding that weight dequantized once, while the copies fit in ``budget`` bytes (``None``: no limit);
+    yields the bytes they take. The originals are back at exit.
+
+    A token step then reads 16-bit weights with one matmul a layer (and a compiled step can trace it), instead of
+    dequantizing or running bitsandbytes' 4-bit kernel in every layer at every token. Equal to bitsandbytes' own
+    forward, which dequantizes in the stored dtype and multiplies in the compute dtype, up to the rounding of its
+    one-row kernel. Where a layer is whole, and where not, as for `adapters_merged`: FSDP2 units ``kept`` gathered
+    for the block and models without FSDP; not FSDP1 or XLA. A layer whose compute dtype is not the model's (the
+    input embedding's) stays 4-bit: its forward casts, a plain layer would not; so does one bitsandbytes has
+    repacked for its CPU kernel.
+    """
+    bitsandbytes = sys.modules.get("bitsandbytes")
+    fsdp2 = bool(_fsdp2_units(model))
+    if bitsandbytes is None or on_xla() or (is_sharded(model) and not fsdp2):
+        yield 0
+        return
+    owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
+    dtype = model.get_input_embeddings().weight.dtype
+    swapped, used = [], 0
+    try:
+        for parent in list(model.modules()):
+            for name, layer in list(parent.named_children()):
+                if not isinstance(layer, bitsandbytes.nn.Linear4bit) or (fsdp2 and id(layer) not in owned):
+                    continue
+                states = [getattr(layer, "quant_state", None), getattr(layer.weight, "quant_state", None)]
+                if isinstance(layer.weight, DTensor) or states == [None, None] or any(_repacked(s) for s in states):
+                    continue
+                size = layer.in_features * layer.out_features * dtype.itemsize
+                if (layer.compute_dtype or dtype) != dtype or (budget is not None and used + size > budget):
+                    continue
+                parent.register_module(name, _dense_copy(layer, dtype))  # the child swapped for the block
+                swapped.append((parent, name, layer))
+                used += size
+        yield used
+    finally:
+        for parent, name, layer in swapped:
+            parent.register_module(name, layer)
+
+
+def _repacked(state) -> bool:
+    """Whether bitsandbytes has repacked a 4-bit weight for its AVX512-BF16 CPU kernel (its first eval forward on
+    such a CPU does, in place): not the layout `four_bit_weight` dequantizes."""
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def _dense_copy(layer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Linear:
+    """A plain linear layer computing what 4-bit ``layer`` computes, its weight dequantized in ``dtype``."""
+    dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    dense.weight = torch.nn.Parameter(four_bit_weight(layer, dtype), requires_grad=False)
+    if layer.bias is not None:
+        dense.bias = torch.nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+    return dense.train(layer.training)
 
 
 def _owned_modules(unit: torch.nn.Module) -> list[torch.nn.Module]:
@@ -266,7 +330,9 @@ def generate_completions(
         # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
         calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None
         own = [prompts[i] for i in mine]
-        texts = complete_on_this_rank(model, tokenizer, own, settings, device, calls, prompts[0], streamer, encode)
+        texts = complete_on_this_rank(
+            model, tokenizer, own, settings, device, calls, prompts[0], streamer, encode, whole=whole
+        )
     results = list(zip(mine, texts))
     if world == 1:
         return [text for _, text in sorted(results)]
@@ -308,11 +374,14 @@ def complete_on_this_rank(
     placeholder=None,
     streamer=None,
     encode: Callable[[list], dict] | None = None,
+    whole: bool = False,
 ) -> list[str]:
     """This rank's completions of its own ``prompts``, in order, ``settings.batch_size`` per ``generate`` call.
 
     Called inside `parameters_gathered`. ``calls`` set means the ranks are kept in step (``synced_gpus``): run
     exactly that many calls, completing ``placeholder`` once the own prompts run out (their output dropped).
+    ``whole``: every weight is whole on this rank for the calls, so the decode step may be compiled
+    (`fsdp_peft.tools.decoding`).
     """
     rank, _ = group_ranks()
     count = calls if calls is not None else math.ceil(len(prompts) / settings.batch_size)
@@ -327,21 +396,37 @@ def complete_on_this_rank(
             else:
                 encoded = encode(batch)
             encoded = {key: value.to(device) for key, value in encoded.items()}
-            output = model.generate(
-                **encoded,
-                max_new_tokens=settings.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
-                synced_gpus=calls is not None,
-                streamer=streamer if rank == 0 else None,
-                stop_strings=stop,
-                tokenizer=tokenizer if stop else None,
-                **settings.sampling_kwargs(),
-            )
-            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            length = encoded["input_ids"].shape[1]
+            with decode_step(model, settings.compiled, whole, length, settings.max_new_tokens) as decoding:
+                output = model.generate(
+                    **encoded,
+                    max_new_tokens=settings.max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    min_new_tokens=settings.max_new_tokens if settings.ignore_eos else None,
+                    synced_gpus=calls is not None,
+                    streamer=streamer if rank == 0 else None,
+                    stop_strings=stop,
+                    tokenizer=tokenizer if stop else None,
+                    **settings.sampling_kwargs(),
+                    **decoding,
+                )
+            new_tokens = output[:, length:]
             completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)[: len(texts)]
     return completions
+
+
+@contextlib.contextmanager
+def decode_step(model, setting: str, whole: bool, prompt_length: int, max_new_tokens: int) -> Iterator[dict]:
+    """``generate``'s keyword arguments for the decode step of one call over prompts ``prompt_length`` tokens long
+    (padded), inside `parameters_gathered` (``whole``: what it yielded): compiled over a static cache where
+    `fsdp_peft.tools.decoding` finds nothing against it, with the FSDP2 units' forward hooks set aside for the call;
+    else none (eager). ``setting``: ``generate_compiled``."""
+    decoding = decoding_for_call(model, setting, whole, prompt_length, max_new_tokens)
+    with decoding.around_the_call(model, _fsdp2_units(model)):
+        yield decoding.kwargs
+    if decoding.kwargs:
+        say_graphs_compiled()
 
 
 def evaluate_exact_match(

@@ -220,6 +220,7 @@ def run_generate(args) -> None:
         top_p=args.top_p if args.top_p is not None else 1.0,
         gather_budget=args.gather_budget,
         merged_adapter=not args.unmerged_adapter,
+        compiled=args.compiled,
     )
     stream = len(prompts) == 1 and not args.json
     streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None

@@ -72,7 +72,14 @@ from fsdp_peft.parallel.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
 from fsdp_peft.parallel.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
 from fsdp_peft.settings.checkpointing import CHECKPOINTING_KEYS
-from fsdp_peft.settings.choices import GATHER_BUDGET_HELP, OFFLINE_MODEL_NAMES, SMOLLM2_HUB_ID, TINY_DATASET_NAME
+from fsdp_peft.settings.choices import (
+    COMPILED_CHOICES,
+    COMPILED_DECODING_HELP,
+    GATHER_BUDGET_HELP,
+    OFFLINE_MODEL_NAMES,
+    SMOLLM2_HUB_ID,
+    TINY_DATASET_NAME,
+)
 from fsdp_peft.settings.config import keys_set, unset_training_values
 from fsdp_peft.settings.families import FAMILIES, family_for, lora_targets
 from fsdp_peft.settings.fsdp_settings import (
@@ -323,6 +330,13 @@ def _gather_budget_is_a_size(context: RuleContext) -> str | None:
     except ConfigError:
         return f"generate_gather_budget: '{recipe.generate_gather_budget}' is not {GATHER_BUDGET_HELP}"
     return None
+
+
+def _compiled_decoding_is_a_choice(context: RuleContext) -> str | None:
+    value = context.recipe.generate_compiled
+    if value in COMPILED_CHOICES:
+        return None
+    return f"generate_compiled: '{value}' is not {COMPILED_DECODING_HELP}"
 
 
 def _device_memory_is_a_size(context: RuleContext) -> str | None:
@@ -719,6 +733,7 @@ RULES: dict[Callable, Callable[[object], bool]] = {
     _model_config_is_a_causal_lm: every,
     _gather_budget_is_a_size: every,
     _device_memory_is_a_size: every,
+    _compiled_decoding_is_a_choice: every,
     _compile_where_it_is_tested: every,
     _kernels_run_here: every,
     _fsdp_needs_several_processes: every,

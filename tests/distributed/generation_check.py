@@ -1,9 +1,10 @@
 """Run under torchrun (2 gloo ranks): generation from an FSDP2-sharded LoRA model under gather budgets.
 
-Prints one JSON line on rank 0 with, per budget, the completions (as token ids), the FSDP all-gathers each
-``generate_completions`` call made on rank 0 and the LoRA layers that computed merged; the reference completions
-(each prompt alone, unsharded, the adapter unmerged, before sharding); the all-gathers of a training step before and
-after; and whether every shard is bit for bit what it was before generating.
+Prints one JSON line on rank 0 with, per budget (and with the decode step compiled under budgets all and none), the
+completions (as token ids), the FSDP all-gathers each ``generate_completions`` call made on rank 0, the LoRA layers
+that computed merged and the graphs compiled so far; sampled completions, eager and compiled, from one seed; the
+reference completions (each prompt alone, unsharded, the adapter unmerged, before sharding); the all-gathers of a
+training step before and after; and whether every shard is bit for bit what it was before generating.
 """
 
 import json
@@ -19,6 +20,7 @@ from fsdp_peft.core.distributed import release_process_group, start_process_grou
 from fsdp_peft.model.modeling import load_base_model, load_tokenizer
 from fsdp_peft.parallel.fsdp_policies import shard_for_generation
 from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.tools.decoding import graphs_compiled
 from fsdp_peft.tools.generation import (
     GenerationSettings,
     _budget_agreed_by_all_ranks,
@@ -77,18 +79,41 @@ before = training_step_all_gathers()
 shards = {name: p.to_local().clone() for name, p in model.named_parameters()}
 partial = sum(gathered_bytes(unit) for unit in units[:3])  # the root and the first two layers
 report = {"reference": reference, "units": len(units), "lora_layers": len(lora_layers), "budgets": {}}
-for budget, merged in (("all", True), ("none", True), (f"{partial}B", True), ("all unmerged", False)):
+runs = (("all", True), ("none", True), (f"{partial}B", True), ("all unmerged", False))
+for budget, merged in (*runs, ("all compiled", True), ("none compiled", True)):
     gathers[0] = 0
     merged_layers.clear()
+    compiled = "true" if budget.endswith("compiled") else "false"
     settings = GenerationSettings(
-        NEW_TOKENS, batch_size=2, gather_budget=budget.split()[0], ignore_eos=True, merged_adapter=merged
+        NEW_TOKENS,
+        batch_size=2,
+        gather_budget=budget.split()[0],
+        ignore_eos=True,
+        merged_adapter=merged,
+        compiled=compiled,
     )
     completions = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
     report["budgets"][budget] = {
         "completions": completions,
         "all_gathers": gathers[0],
         "merged_layers": sorted(merged_layers),
+        "graphs": graphs_compiled(),
     }
+# Sampled, the same seed: the compiled decode step draws what the eager one draws
+report["sampled"] = {}
+for compiled in ("false", "true"):
+    torch.manual_seed(1234)
+    settings = GenerationSettings(
+        NEW_TOKENS,
+        batch_size=2,
+        gather_budget="all",
+        ignore_eos=True,
+        do_sample=True,
+        temperature=0.9,
+        compiled=compiled,
+    )
+    report["sampled"][compiled] = generate_completions(model, tokenizer, prompts, settings, torch.device("cpu"))
+report["graphs"] = graphs_compiled()
 # Units left gathered by a forward before the call (reshard_after_forward: false) and not kept (budget none): FSDP2
 # does not reshard them after the call, so they must stay unmerged; the next forward computes as the one before.
 for unit in units[1:]:

@@ -40,6 +40,9 @@ SHARDED = ["--save_strategy", "steps", "--save_steps", "3", "--export_merged", "
 FAMILIES = {"qwen_moe_lora": "tiny-qwen3-moe", "mixtral_lora": "tiny-mixtral"}
 EXPERTS = 8
 RELATIVE = 1e-5  # fp32 LoRA: 2 ranks vs one process
+# generation's decode step compiled on the 2 ranks of one family per method (the one process and the references
+# decode eagerly: CPU, generate_compiled: auto)
+GENERATE_COMPILED = {"qwen_moe_lora": ["--generate_compiled", "true"], "mixtral_qlora": ["--generate_compiled", "true"]}
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +52,7 @@ def runs(request, tmp_path_factory, tiny_cache) -> dict:
     """The recipe on 2 FSDP2 ranks (checkpoint at step 3, merged fp32 export) and in one process, 32 rows a step."""
     recipe = request.param
     sharded, single = tmp_path_factory.mktemp(f"{recipe}_fsdp2"), tmp_path_factory.mktemp(f"{recipe}_single")
-    result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON, *SHARDED)
+    result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON, *SHARDED, *GENERATE_COMPILED.get(recipe, []))
     one = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--output_dir", str(single), *COMMON]
     reference = run_launch([*one, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-4000:]
@@ -143,6 +146,7 @@ def test_sharded_greedy_generation_matches_the_unsharded_model(runs):
     prompts = [render_prompt(tokenizer, s["prompt"], use_chat_template=True) for s in samples]
     unsharded = generate_completions(_trained(runs), tokenizer, prompts, GenerationSettings(8, 50), torch.device("cpu"))
     assert unsharded == [s["generated"] for s in samples]
+    assert ("compiled decode step:" in runs["stdout"]) == (runs["recipe"] in GENERATE_COMPILED)
 
 
 def test_merged_export_is_peft_merge_and_loads_as_a_plain_model_with_the_trained_logits(runs, tmp_path):
@@ -218,7 +222,7 @@ def qlora_runs(request, tmp_path_factory, tiny_cache) -> dict:
     low-memory loading (rank 0 reads and quantizes each tensor, every rank keeps its shard)."""
     recipe = request.param
     sharded, single = tmp_path_factory.mktemp(f"{recipe}_fsdp2"), tmp_path_factory.mktemp(f"{recipe}_single")
-    result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON)
+    result = launch_recipe(recipe, "--output_dir", str(sharded), *COMMON, *GENERATE_COMPILED.get(recipe, []))
     one = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--output_dir", str(single), *COMMON]
     reference = run_launch([*one, "--per_device_train_batch_size", "32"])
     assert reference.returncode == 0, reference.stderr[-4000:]
@@ -287,6 +291,7 @@ def test_qlora_sharded_generation_matches_the_unsharded_4bit_model(qlora_runs):
             loaded.model, loaded.tokenizer, prompts, GenerationSettings(8, 50), torch.device("cpu")
         )
     assert unsharded == [s["generated"] for s in samples]
+    assert ("compiled decode step:" in qlora_runs["stdout"]) == (qlora_runs["recipe"] in GENERATE_COMPILED)
 
 
 def test_nf4_export_merges_onto_the_experts_training_saw_as_peft_would(qlora_runs, tmp_path):

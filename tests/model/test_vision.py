@@ -43,6 +43,7 @@ QLORA_PER_RANK = 16
 QLORA_SGD = ["--optim", "sgd", "--learning_rate", "0.05"]
 QLORA_EVAL_TOLERANCE = 5e-4  # the eval loss after those 5 steps (measured 2.0e-4 on Gemma 3)
 COMPILED = ["--compile", "true"]
+GENERATE_COMPILED = ["--generate_compiled", "true"]  # generation's decode step compiled (the 2 ranks only)
 RECIPES = {"qwen": "tiny-qwen2.5-vl", "qwen3": "tiny-qwen3-vl", "gemma3": "tiny-gemma3-vl"}
 # Each family with and without a trained projector; Qwen2.5-VL's "without" is its QLoRA case (its fp32 LoRA without a
 # projector, 1.8e-7: measured once, docs/vision.md), Gemma 3's LoRA case keeps the export's frozen-projector check.
@@ -53,10 +54,10 @@ CASES = {  # name: (recipe, overrides, largest relative loss difference allowed)
     # Qwen3-VL through the Qwen recipes (its deepstack mergers frozen; the merger trained as the projector)
     "qwen3-lora-projector": (
         "qwen_vl_lora",
-        [*SGD, "--train_projector", "true", "--model_name_or_path", "tiny-qwen3-vl"],
+        [*SGD, "--train_projector", "true", "--model_name_or_path", "tiny-qwen3-vl", *GENERATE_COMPILED],
         1e-5,
     ),  # fmt: skip
-    "gemma3-lora": ("gemma3_vl_lora", SGD, 1e-5),
+    "gemma3-lora": ("gemma3_vl_lora", [*SGD, *GENERATE_COMPILED], 1e-5),
     "gemma3-lora-projector": ("gemma3_vl_lora", [*SGD, "--train_projector", "true"], 1e-5),
     # Gemma 3's QLoRA pair follows the CPU's bf16 kernels: 8.3e-5 on one AMD EPYC with AVX512-BF16 (2026-12-04),
     # 2.1e-4 on another (2026-12-05), the same code: its eval loss's bound, for the same rounding
@@ -154,9 +155,14 @@ def runs_of(tmp_path_factory, mixed_rows):
     return get
 
 
-def _compiled(overrides: list[str]) -> int | None:
-    """Where ``compile: true`` is among a case's overrides, if it is."""
-    return next((i for i in range(len(overrides)) if overrides[i : i + 2] == COMPILED), None)
+def _compiled(overrides: list[str], pair: list[str] = COMPILED) -> int | None:
+    """Where ``pair`` (``compile: true``) is among a case's overrides, if it is."""
+    return next((i for i in range(len(overrides)) if overrides[i : i + 2] == pair), None)
+
+
+def _without(overrides: list[str], pair: list[str]) -> list[str]:
+    at = _compiled(overrides, pair)
+    return overrides if at is None else overrides[:at] + overrides[at + 2 :]
 
 
 def _train_both(case: str, tmp_path_factory, mixed_rows) -> dict:
@@ -164,14 +170,13 @@ def _train_both(case: str, tmp_path_factory, mixed_rows) -> dict:
     b = QLORA_PER_RANK if "qlora" in recipe else 4
     data = ["--dataset", str(mixed_rows[case.split("-")[0] if "qlora" in recipe else 4])]
     sharded, single = (tmp_path_factory.mktemp(f"{case}-{kind}") for kind in ("sharded", "single"))
-    launch_recipe(recipe, *COMMON, *data, *overrides, "--per_device_train_batch_size", str(b), "--output_dir",
-                  str(sharded))  # fmt: skip
-    at = _compiled(overrides)
-    eager = overrides if at is None else overrides[:at] + overrides[at + 2 :]  # the one process never compiles
+    launched = launch_recipe(recipe, *COMMON, *data, *overrides, "--per_device_train_batch_size", str(b),
+                             "--output_dir", str(sharded))  # fmt: skip
+    eager = _without(_without(overrides, COMPILED), GENERATE_COMPILED)  # the one process never compiles
     one = run_launch([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *COMMON, *data, *eager,
                        "--per_device_train_batch_size", str(2 * b), "--output_dir", str(single)])  # fmt: skip
     assert one.returncode == 0, one.stderr[-4000:]
-    return {"case": case, "sharded": sharded, "single": single, "tolerance": tolerance}
+    return {"case": case, "sharded": sharded, "single": single, "tolerance": tolerance, "stdout": launched.stdout}
 
 
 @pytest.mark.slow
@@ -198,9 +203,12 @@ def test_two_ranks_equal_one_process_also_when_one_ranks_rows_have_no_images(run
         assert not copies
     results = [json.loads((d / "results.json").read_text()) for d in (runs["sharded"], runs["single"])]
     if "qlora" not in runs["case"]:  # generation, one rank's prompts with images and the other's without: the same
+        # (the 2 ranks' decode step compiled where the case says generate_compiled: true, the one process's eager)
         samples = [read_rows(d / "samples.jsonl") for d in (runs["sharded"], runs["single"])]
         assert [s["generated"] for s in samples[0]] == [s["generated"] for s in samples[1]]
         assert len(samples[0]) == 6
+        if _compiled(CASES[runs["case"]][1], GENERATE_COMPILED) is not None:
+            assert "compiled decode step:" in runs["stdout"] and "decodes eagerly" not in runs["stdout"]
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     if _compiled(CASES[runs["case"]][1]):  # one graph per layer shape, short of dynamo's recompile limit (8)
         assert results[0]["compiled"]["layers"] == 4 and 1 <= results[0]["compiled"]["graphs"] <= 8, results[0]

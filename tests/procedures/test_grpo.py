@@ -151,8 +151,11 @@ def test_qlora_grpo_on_two_ranks_equals_one_unsharded_process(tmp_path_factory, 
 @pytest.fixture(scope="module")
 def sampled_runs(tmp_path_factory, sft_start):
     """Real sampling on 2 ranks: the recipe (checkpoint at step 2, harness tasks every 2 steps), TRL's own
-    per-layer generation path (``generate_gather_budget: none``) on the same run, and a resume from the checkpoint."""
+    per-layer generation path (``generate_gather_budget: none``) on the same run, and a resume from the checkpoint.
+    The decode step compiled (``generate_compiled: true``) where the units are kept gathered: the recipe's runs, not
+    TRL's path, which decodes eagerly."""
     common = [*COMMON, "--adapter_name_or_path", str(sft_start), "--per_device_train_batch_size", "16", *SAMPLED]
+    common += ["--generate_compiled", "true"]
     common[common.index("--max_steps") + 1] = "4"
     gathered, stock = tmp_path_factory.mktemp("gathered"), tmp_path_factory.mktemp("stock")
     harness = ["--eval_tasks", "tiny_reverse_em", "--eval_tasks_steps", "2"]
@@ -175,11 +178,12 @@ def _metrics(entry: dict) -> dict:
 
 @pytest.mark.slow
 def test_rollouts_from_the_gathered_model_are_the_ones_trl_samples(sampled_runs):
-    """Same seed, same generator state: the recipe's rollouts (units gathered once per call) and TRL's (a gather
-    per layer per token) give the same completions, hence the same rewards, losses and everything logged. The
-    recipe's run also evaluated harness tasks after step 2 (the harness seeds every generator): steps 3 and 4 still
-    sample what the run without it samples."""
+    """Same seed, same generator state: the recipe's rollouts (units gathered once per call, the decode step
+    compiled) and TRL's (a gather per layer per token, eager) give the same completions, hence the same rewards,
+    losses and everything logged. The recipe's run also evaluated harness tasks after step 2 (the harness seeds every
+    generator): steps 3 and 4 still sample what the run without it samples."""
     got, want = _logged(sampled_runs["gathered"]), _logged(sampled_runs["stock"])
+    assert "compiled decode step:" in sampled_runs["printed"]  # the recipe's rollouts compiled, TRL's path eager
     assert sorted(got) == [1, 2, 3, 4]
     assert {s: _metrics(e) for s, e in got.items()} == {s: _metrics(e) for s, e in want.items()}
     assert len({e["reward"] for e in got.values()}) > 1  # the policy moved: rewards are not one constant

@@ -23,6 +23,20 @@ def test_every_budget_generates_the_unsharded_tokens(report):
         assert run["completions"] == report["reference"], budget
 
 
+def test_the_compiled_decode_step_draws_the_eager_tokens_greedy_and_sampled(report):
+    """The decode step compiled over a static cache (all units kept, their FSDP hooks set aside): the reference's
+    greedy tokens, the eager path's sampled tokens for the same seed, one graph per batch size (2 and 1 on rank 0:
+    3 prompts, 2 a call); without the units kept (budget none) it decodes eagerly and compiles nothing more."""
+    runs = report["budgets"]
+    assert runs["all compiled"]["completions"] == report["reference"]
+    assert runs["all compiled"]["all_gathers"] == report["units"]  # gathered once, as eager
+    assert len(runs["all compiled"]["merged_layers"]) == report["lora_layers"]
+    assert runs["all unmerged"]["graphs"] == 0 and runs["all compiled"]["graphs"] == 2
+    assert runs["none compiled"]["graphs"] == report["graphs"] == 2
+    sampled = report["sampled"]
+    assert sampled["true"] == sampled["false"] and sampled["false"] != report["reference"]
+
+
 def test_the_adapter_is_merged_into_the_gathered_units_only_and_no_shard_changes(report):
     runs = report["budgets"]
     assert report["lora_layers"] == 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers

@@ -207,6 +207,12 @@ CASES = {
         ["--generate_gather_budget", "8 gigs"],
         "generate_gather_budget: '8 gigs' is not 'auto' (half the free device memory), 'all', 'none'",
     ),
+    "_compiled_decoding_is_a_choice": (
+        LORA_TINY,
+        {},
+        ["--generate_compiled", "sometimes"],
+        "generate_compiled: 'sometimes' is not 'auto' (on a GPU: a static KV cache",
+    ),
     "_device_memory_is_a_size": (
         LORA_TINY,
         {},

@@ -146,7 +146,10 @@ def bitsandbytes_cpu_dequantize_4bit():
 def _misplaces_block_scales() -> bool:
     """bitsandbytes' own CPU kernel on the smallest failing shape (two rows of 96 values, blocks of 64): does the
     result differ from the same bytes dequantized in block-aligned rows? (tests/model/test_four_bit.py holds both
-    against the reference decoder.)"""
+    against the reference decoder.) The wrong kernel is the one bitsandbytes builds for AVX512 CPUs; on another CPU
+    (AVX2) it runs a kernel that is right, where the question cannot be asked here: True (still needed elsewhere)."""
+    if not bitsandbytes_cpu_kernel_is_avx512():
+        return True
     import bitsandbytes.functional as bnb_functional  # lazy: only QLoRA needs bitsandbytes
 
     weight = torch.linspace(-1, 1, 192).reshape(2, 96)
@@ -155,6 +158,11 @@ def _misplaces_block_scales() -> bool:
     shaped = kernel.call_boxed(keys, packed, state.absmax, 64, "nf4", [2, 96], torch.float32)
     aligned = kernel.call_boxed(keys, packed, state.absmax, 64, "nf4", [3, 64], torch.float32)
     return not torch.equal(shaped, aligned.view(2, 96))
+
+
+def bitsandbytes_cpu_kernel_is_avx512() -> bool:
+    """Whether this CPU runs bitsandbytes' AVX512 4-bit kernels (it chooses by torch's CPU capability)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 @patch("bitsandbytes", still_needed=_misplaces_block_scales)

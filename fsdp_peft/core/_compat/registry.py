@@ -70,6 +70,15 @@ class Upstream:
 
 UPSTREAM: tuple[Upstream, ...] = (
     Upstream(
+        "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState.init",
+        ("modules", "device", "mp_policy", "auto_reshard_after_forward"),
+        "fsdp_peft.core._compat.torch_patches.fsdp2_forward_hooks_detached",
+        "FSDP2's forward hooks, a graph break in every unit, are set aside while every unit is kept gathered for a "
+        "compiled decode step",
+        "FSDP2's forward hooks trace under torch.compile without a graph break",
+        mentions=("_pre_forward_hook_handle", "_post_forward_hook_handle"),
+    ),
+    Upstream(
         "bitsandbytes.backends.default.ops:_try_torch_compile",
         ("func",),
         "fsdp_peft.core._compat.bitsandbytes_patches.bitsandbytes_compiling_module_spec",

@@ -3,9 +3,11 @@ gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +22,36 @@ def fsdp_param_groups(state) -> list:
     if hasattr(state, "_fsdp_param_groups"):
         return state._fsdp_param_groups
     return [group] if (group := state._fsdp_param_group) is not None else []
+
+
+@contextlib.contextmanager
+def fsdp2_forward_hooks_detached(units: list) -> Iterator[None]:
+    """The forward pre- and post-hooks FSDP2 put on each of ``units`` (FSDP2 modules) set aside for the block, and
+    put back, in their places, after it.
+
+    Why: each hook is wrapped in ``torch._dynamo.disable``, so a compiled forward breaks its graph at every unit
+    (one graph per layer, no CUDA graph of the whole step). For units the caller keeps gathered, with resharding
+    after forward off, the hooks do nothing a decode step needs (the unshard is already done, the reshard is off, no
+    gradient is recorded); the mixed-precision casts they would apply are of tensors already in the gathered dtype.
+    The hooks are the ones ``FSDPState.init`` registers and keeps as ``_pre_forward_hook_handle`` and
+    ``_post_forward_hook_handle`` (torch 2.11-2.13).
+    """
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        for handle in {state._pre_forward_hook_handle, state._post_forward_hook_handle}:
+            # a unit of several modules (``fully_shard([a, b])``) has a handle of another kind: left in place
+            for reference in (getattr(handle, "hooks_dict_ref", None), *getattr(handle, "extra_dict_ref", ())):
+                table = reference() if reference is not None else None
+                if table is not None and handle.id in table:
+                    saved.append((table, dict(table)))
+                    del table[handle.id]
+    try:
+        yield
+    finally:
+        for table, before in reversed(saved):
+            table.clear()
+            table.update(before)
 
 
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)
