@@ -35,6 +35,7 @@ from fsdp_peft.procedures.trainer import trl_trainer
 from fsdp_peft.settings.config import RecipeArguments
 from fsdp_peft.settings.fsdp_settings import RuleContext
 from fsdp_peft.settings.keys import unknown_choice
+from fsdp_peft.tools.decoding import compiles_here
 from fsdp_peft.tools.generation import (
     GenerationSettings,
     decode_step,
@@ -91,8 +92,8 @@ class GatheredRollouts:
         arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*arguments)
-        budget = parse_gather_budget(self.gather_budget)
-        with parameters_gathered(self.model_wrapped, budget, self.merged_adapter) as whole:
+        budget, dequantized = parse_gather_budget(self.gather_budget), compiles_here(self.model, self.compiled)
+        with parameters_gathered(self.model_wrapped, budget, self.merged_adapter, dequantized) as whole:
             width = max((len(ids) for ids in prompt_ids), default=0)
             with decode_step(self.model, self.compiled, whole, width, self.max_completion_length) as decoding:
                 configured = self.generation_config

@@ -19,6 +19,8 @@ runs and one line says why, once per process and reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -46,13 +48,15 @@ class Decoding:
     @contextlib.contextmanager
     def around_the_call(self, model, units: list) -> Iterator[None]:
         """The block ``generate`` runs in: compiled, with the forward hooks of FSDP2 ``units`` (all kept gathered by
-        the caller) set aside, so the decode step is one graph instead of one per unit; and a 4-bit model's
-        quantizer out of transformers' sight (it refuses to compile bitsandbytes' layers, all dequantized here)."""
+        the caller) set aside, so the decode step is one graph instead of one per unit; and a bitsandbytes 4-bit
+        model's quantizer out of transformers' sight (it refuses to compile bitsandbytes' layers, all of them
+        dequantized for the call here: `eager_because` found none left)."""
         if not self.kwargs:
             yield
             return
         base = _transformers_model(model)
         quantizer = getattr(base, "hf_quantizer", None)
+        quantizer = quantizer if quantizer is not None and _bitsandbytes_4_bit(quantizer) else None
         with fsdp2_forward_hooks_detached(units):
             if quantizer is not None:
                 base.hf_quantizer = None
@@ -77,16 +81,25 @@ def decoding_for_call(model, setting: str, whole: bool, prompt_length: int, max_
 def static_compiled_kwargs(cache_length: int, cuda: bool) -> dict:
     """``generate`` keyword arguments for a static cache of ``cache_length`` positions and a compiled decode step
     (a CUDA graph on a GPU)."""
-    from transformers import CompileConfig  # lazy: generation config only where generation runs
-
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
-    config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    config = _compile_config_class()(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
     return {
         "cache_implementation": "static",
         "max_cache_len": cache_length,
         "compile_config": config,
         "disable_compile": False,
     }
+
+
+@functools.cache
+def _compile_config_class() -> type:
+    """transformers' ``CompileConfig`` told to compile on every device (it compiles only on accelerators unless
+    ``_compile_all_devices`` is set), as a class attribute: FSDP2's root hook, casting ``generate``'s arguments for
+    mixed precision, rebuilds dataclasses from their fields, which drops an instance's own attribute."""
+    from transformers import CompileConfig  # lazy: generation config only where generation runs
+
+    return dataclasses.make_dataclass(
+        "EveryDeviceCompileConfig", [], bases=(CompileConfig,), namespace={"_compile_all_devices": True}
+    )
 
 
 def eager_because(model, setting: str, whole: bool) -> str | None:
@@ -101,6 +114,9 @@ def eager_because(model, setting: str, whole: bool) -> str | None:
     if _four_bit_layers_left(model):
         return "4-bit layers (bitsandbytes' forward breaks the graph in every layer)"
     base = _transformers_model(model)
+    quantizer = getattr(base, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable and not _bitsandbytes_4_bit(quantizer):
+        return f"transformers cannot compile a model quantized by {type(quantizer).__name__}"
     if not getattr(base, "_can_compile_fullgraph", False):
         return f"transformers cannot compile {type(base).__name__} with a static cache"
     on_cpu = _device_of(model).type == "cpu"
@@ -121,8 +137,13 @@ def graphs_compiled() -> int:
 
 
 def say_graphs_compiled() -> None:
-    """One line each time the process's count of compiled graphs grows: recompilation is visible, not silent."""
-    _say_once(f"compiled decode step: {graphs_compiled()} graphs compiled in this process")
+    """After a call given the compiled step: one line each time the process's count of compiled graphs grows
+    (recompilation is visible, not silent); none compiled at all says the call decoded eagerly."""
+    graphs = graphs_compiled()
+    if graphs:
+        _say_once(f"compiled decode step: {graphs} graphs compiled in this process")
+    else:
+        _say_once("generation decodes eagerly: transformers compiled no decode step (its own criteria)")
 
 
 def _transformers_model(model):
@@ -133,6 +154,16 @@ def _transformers_model(model):
 def _device_of(model) -> torch.device:
     parameter = next(model.parameters(), None)
     return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _bitsandbytes_4_bit(quantizer) -> bool:
+    return bool(getattr(getattr(quantizer, "quantization_config", None), "load_in_4bit", False))
+
+
+def compiles_here(model, setting: str) -> bool:
+    """Whether ``generate_compiled`` asks for the compiled step on ``model``'s device (``true``, or ``auto`` off
+    CPU), before what a call finds against it: 4-bit layers are then dequantized for the call, which it needs."""
+    return not on_xla() and (setting == "true" or (setting == "auto" and _device_of(model).type != "cpu"))
 
 
 def _four_bit_layers_left(model) -> bool:

@@ -46,6 +46,7 @@ from fsdp_peft.core.log import counted, logger
 from fsdp_peft.core.run_file_names import HARNESS_DIR, HARNESS_LOG_PREFIX
 from fsdp_peft.model.modeling import local_device
 from fsdp_peft.parallel.fsdp_policies import shard_for_generation
+from fsdp_peft.tools.decoding import compiles_here
 from fsdp_peft.tools.eval_tasks import EVAL_TASKS_KEY, HarnessTasks, load_tasks
 from fsdp_peft.tools.generation import (
     GenerationSettings,
@@ -200,7 +201,8 @@ class HarnessLM(LM):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         completions: list[str] = [""] * len(requests)
         budget = parse_gather_budget(self.gather_budget)
-        with parameters_gathered(self.model, budget, self.merged_adapter) as whole:
+        dequantized = compiles_here(self.model, self.compiled)
+        with parameters_gathered(self.model, budget, self.merged_adapter, dequantized) as whole:
             synced = self.world_size > 1 and not whole
             counts = {key: len(indices) for key, indices in groups.items()}
             plan = gathered_from_every_rank(counts) if synced else [counts]

@@ -39,7 +39,7 @@ from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.model.compiled import eager_layers, four_bit_weight
 from fsdp_peft.parallel.fsdp_layout import is_sharded
-from fsdp_peft.tools.decoding import decoding_for_call, say_graphs_compiled
+from fsdp_peft.tools.decoding import compiles_here, decoding_for_call, say_graphs_compiled
 
 
 @dataclass(frozen=True)
@@ -114,18 +114,22 @@ def _budget_agreed_by_all_ranks(budget: int | None) -> int | None:
 
 
 @contextlib.contextmanager
-def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool = False) -> Iterator[bool]:
+def parameters_gathered(
+    model: torch.nn.Module, budget: int | None, merged: bool = False, dequantized: bool = False
+) -> Iterator[bool]:
     """Keep FSDP2 units gathered for the whole block, up to ``budget`` bytes; yields whether all are.
 
     Units are taken in module order (root, then layers in order) while they fit. On exit every kept unit
     is resharded and its ``reshard_after_forward`` setting restored. Collective: every rank must enter.
     Not an FSDP2 model: yields True when unsharded (nothing to gather), False for FSDP1.
-    Within what is left of ``budget``, 4-bit layers compute with their weights dequantized once for the block
+    Within what is left of ``budget``: with ``dequantized`` (the compiled decode step, which needs it:
+    `fsdp_peft.tools.decoding.compiles_here`) 4-bit layers compute with their weights dequantized once for the block
     (`four_bit_dequantized`), and with ``merged`` the LoRA adapter is merged into the weights (`adapters_merged`).
     """
+    dequantizing = four_bit_dequantized if dequantized else _nothing_dequantized
     units = _fsdp2_units(model)
     if not units:
-        with eager_layers(), four_bit_dequantized(model, budget) as dense:
+        with eager_layers(), dequantizing(model, budget) as dense:
             left = None if budget is None else budget - dense
             with adapters_merged(model, left) if merged else contextlib.nullcontext():
                 yield not is_sharded(model)
@@ -142,7 +146,7 @@ def parameters_gathered(model: torch.nn.Module, budget: int | None, merged: bool
         for unit in kept:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        with eager_layers(), four_bit_dequantized(model, None if budget is None else budget - used, kept) as dense:
+        with eager_layers(), dequantizing(model, None if budget is None else budget - used, kept) as dense:
             left = None if budget is None else budget - used - dense
             with adapters_merged(model, left, kept) if merged else contextlib.nullcontext():
                 yield len(kept) == len(units)
@@ -243,15 +247,26 @@ def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list 
             parent.register_module(name, layer)
 
 
+@contextlib.contextmanager
+def _nothing_dequantized(model, budget, kept=None) -> Iterator[int]:
+    yield 0
+
+
 def _repacked(state) -> bool:
     """Whether bitsandbytes has repacked a 4-bit weight for its AVX512-BF16 CPU kernel (its first eval forward on
     such a CPU does, in place): not the layout `four_bit_weight` dequantizes."""
     return bool(getattr(state, "packing_format_for_cpu", False))
 
 
+class DequantizedLinear(torch.nn.Linear):
+    """A 4-bit layer's weight dequantized for one generation call (`four_bit_dequantized`). Its own class so that the
+    adapter stays unmerged on it (`adapters_merged` merges into plain ``nn.Linear`` only): merging would round the
+    adapter's update into the 16-bit weight, where QLoRA computes it apart, as training did."""
+
+
 def _dense_copy(layer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Linear:
     """A plain linear layer computing what 4-bit ``layer`` computes, its weight dequantized in ``dtype``."""
-    dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    dense = DequantizedLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
     dense.weight = torch.nn.Parameter(four_bit_weight(layer, dtype), requires_grad=False)
     if layer.bias is not None:
         dense.bias = torch.nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
@@ -325,7 +340,8 @@ def generate_completions(
     # the process group's ranks, the ones the gathers run over (`fsdp_peft.core.distributed.ranks`: the launcher's)
     rank, world = group_ranks()
     mine = list(range(rank, len(prompts), world))
-    with parameters_gathered(model, parse_gather_budget(settings.gather_budget), settings.merged_adapter) as whole:
+    budget, dequantized = parse_gather_budget(settings.gather_budget), compiles_here(model, settings.compiled)
+    with parameters_gathered(model, budget, settings.merged_adapter, dequantized) as whole:
         synced = world > 1 and not whole
         # Ranks in step run the same number of calls (a rank out of prompts still joins the forwards).
         calls = math.ceil(math.ceil(len(prompts) / world) / settings.batch_size) if synced else None

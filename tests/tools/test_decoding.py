@@ -27,9 +27,12 @@ def test_each_reason_to_decode_eagerly_is_said_once(tiny_model_dir, caplog, monk
 
     model = lora_model(tiny_model_dir)
     assert decoding.eager_because(model, "false", True) == "generate_compiled: false"
+    # asked for here (4-bit layers are then dequantized for the call): true, or auto off CPU
+    assert [decoding.compiles_here(model, setting) for setting in ("true", "auto", "false")] == [True, False, False]
     assert decoding.eager_because(model, "true", False).startswith("the weights gather in every forward (FSDP1")
     assert decoding.eager_because(model, "auto", True).startswith("on CPU compiling costs more")
     monkeypatch.setenv("PATH", "")  # no C++ compiler to be found
+    monkeypatch.delenv("CXX", raising=False)
     assert decoding.eager_because(model, "true", True).startswith("no C++ compiler")
     monkeypatch.undo()
     four_bit = lora_model(tiny_model_dir, base=tiny_llama_in_4bit(tiny_model_dir))
@@ -58,7 +61,7 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
     import bitsandbytes as bnb
 
     from conftest import tiny_llama_in_4bit
-    from fsdp_peft.tools.generation import four_bit_dequantized
+    from fsdp_peft.tools.generation import DequantizedLinear, adapters_merged, four_bit_dequantized
 
     model = lora_model(tiny_model_dir, base=tiny_llama_in_4bit(tiny_model_dir)).train()
     layers = {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
@@ -71,9 +74,11 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
     with four_bit_dequantized(model, None) as used:
         dense = dict(model.named_modules())
         assert used == sum(each.values()) and not any(isinstance(dense[n], bnb.nn.Linear4bit) for n in layers)
-        assert type(dense[name]) is torch.nn.Linear and dense[name].weight.dtype == torch.bfloat16
+        assert type(dense[name]) is DequantizedLinear and dense[name].weight.dtype == torch.bfloat16
         with torch.no_grad():
             assert torch.equal(dense[name](x), expected)
+        with adapters_merged(model, None) as merged:  # QLoRA's update stays apart from the 16-bit weight
+            assert merged == 0
     assert all(dict(model.named_modules())[n] is m for n, m in layers.items())
     budget = sum(sorted(each.values())[:3])
     with four_bit_dequantized(model, budget) as used:

@@ -36,22 +36,25 @@ def fsdp2_forward_hooks_detached(units: list) -> Iterator[None]:
     The hooks are the ones ``FSDPState.init`` registers and keeps as ``_pre_forward_hook_handle`` and
     ``_post_forward_hook_handle`` (torch 2.11-2.13).
     """
-    saved = []
-    for unit in units:
-        state = unit._get_fsdp_state()
-        for handle in {state._pre_forward_hook_handle, state._post_forward_hook_handle}:
-            # a unit of several modules (``fully_shard([a, b])``) has a handle of another kind: left in place
-            for reference in (getattr(handle, "hooks_dict_ref", None), *getattr(handle, "extra_dict_ref", ())):
-                table = reference() if reference is not None else None
-                if table is not None and handle.id in table:
-                    saved.append((table, dict(table)))
-                    del table[handle.id]
+    removed: list[tuple[dict, list, dict]] = []  # (a hook table, its keys in order before, what left it)
     try:
+        for unit in units:
+            state = unit._get_fsdp_state()
+            for handle in {state._pre_forward_hook_handle, state._post_forward_hook_handle}:
+                # a unit of several modules (``fully_shard([a, b])``) has a handle of another kind: left in place
+                for reference in (getattr(handle, "hooks_dict_ref", None), *getattr(handle, "extra_dict_ref", ())):
+                    table = reference() if reference is not None else None
+                    if table is not None and handle.id in table:
+                        removed.append((table, list(table), {handle.id: table.pop(handle.id)}))
         yield
     finally:
-        for table, before in reversed(saved):
+        for table, order, taken in reversed(removed):  # each back in its place; hooks added meanwhile kept, after
+            current = dict(table)
             table.clear()
-            table.update(before)
+            table.update(
+                {key: taken[key] if key in taken else current[key] for key in order if key in taken or key in current}
+            )
+            table.update({key: value for key, value in current.items() if key not in order})
 
 
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # name prefixes of c10d's native threads (Linux)
