@@ -33,6 +33,7 @@ import torch
 from fsdp_peft.core._compat.torch_patches import fsdp2_forward_hooks_detached
 from fsdp_peft.core.log import logger
 from fsdp_peft.core.xla import on_xla
+from fsdp_peft.model.loss import causal_lm_of
 
 CACHE_BUCKET = 64  # static cache lengths are multiples of this: few graphs, little attention over empty slots
 _SAID: set[str] = set()
@@ -54,7 +55,7 @@ class Decoding:
         if not self.kwargs:
             yield
             return
-        base = _transformers_model(model)
+        base = causal_lm_of(model)
         quantizer = getattr(base, "hf_quantizer", None)
         quantizer = quantizer if quantizer is not None and _bitsandbytes_4_bit(quantizer) else None
         with fsdp2_forward_hooks_detached(units):
@@ -113,7 +114,7 @@ def eager_because(model, setting: str, whole: bool) -> str | None:
         return "the weights gather in every forward (FSDP1, or a gather budget below the model's size)"
     if _four_bit_layers_left(model):
         return "4-bit layers (bitsandbytes' forward breaks the graph in every layer)"
-    base = _transformers_model(model)
+    base = causal_lm_of(model)
     quantizer = getattr(base, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable and not _bitsandbytes_4_bit(quantizer):
         return f"transformers cannot compile a model quantized by {type(quantizer).__name__}"
@@ -144,11 +145,6 @@ def say_graphs_compiled() -> None:
         _say_once(f"compiled decode step: {graphs} graphs compiled in this process")
     else:
         _say_once("generation decodes eagerly: transformers compiled no decode step (its own criteria)")
-
-
-def _transformers_model(model):
-    """The transformers model inside a PeftModel (or ``model`` itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _device_of(model) -> torch.device:

@@ -126,10 +126,9 @@ def parameters_gathered(
     `fsdp_peft.tools.decoding.compiles_here`) 4-bit layers compute with their weights dequantized once for the block
     (`four_bit_dequantized`), and with ``merged`` the LoRA adapter is merged into the weights (`adapters_merged`).
     """
-    dequantizing = four_bit_dequantized if dequantized else _nothing_dequantized
     units = _fsdp2_units(model)
     if not units:
-        with eager_layers(), dequantizing(model, budget) as dense:
+        with eager_layers(), four_bit_dequantized(model, budget) if dequantized else contextlib.nullcontext(0) as dense:
             left = None if budget is None else budget - dense
             with adapters_merged(model, left) if merged else contextlib.nullcontext():
                 yield not is_sharded(model)
@@ -146,7 +145,8 @@ def parameters_gathered(
         for unit in kept:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
-        with eager_layers(), dequantizing(model, None if budget is None else budget - used, kept) as dense:
+        dequantizing = four_bit_dequantized(model, None if budget is None else budget - used, kept)
+        with eager_layers(), dequantizing if dequantized else contextlib.nullcontext(0) as dense:
             left = None if budget is None else budget - used - dense
             with adapters_merged(model, left, kept) if merged else contextlib.nullcontext():
                 yield len(kept) == len(units)
@@ -245,11 +245,6 @@ def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list 
     finally:
         for parent, name, layer in swapped:
             parent.register_module(name, layer)
-
-
-@contextlib.contextmanager
-def _nothing_dequantized(model, budget, kept=None) -> Iterator[int]:
-    yield 0
 
 
 def _repacked(state) -> bool:
