@@ -9,8 +9,9 @@ prompts:
 - ``sharded``: FSDP2 over 2 gloo ranks (`fsdp_peft.parallel.fsdp_policies.shard_for_generation`), prompts spread over
   the ranks, units gathered once per ``generate`` call (``generate_gather_budget: all``) and the adapter merged into
   them (``generate_merged_adapter: true``, the default);
-- ``sharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter: false``): the eager path as
-  it was before the adapter was merged and the decode step compiled;
+- ``sharded_unmerged`` and ``unsharded_unmerged``: the same with the adapter unmerged (``generate_merged_adapter:
+  false``, every LoRA layer's forward peft's): the eager path as it was before the adapter was merged and the decode
+  step compiled;
 - ``sharded_compiled`` and ``unsharded_compiled``: the adapter merged and the decode step compiled over a static,
   bucketed KV cache (``generate_compiled: true``, `fsdp_peft.tools.decoding`); the first call includes compiling;
 - ``naive``: the same sharding, gathering every unit in every forward, i.e. once per new token
@@ -45,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 MODES = {
     "unsharded": None,
     "unsharded_1_thread": None,
+    "unsharded_unmerged": None,
     "unsharded_compiled": None,
     "sharded": "all",
     "sharded_unmerged": "all",
@@ -210,14 +212,14 @@ def main() -> None:
     peer_ratio = runs["sharded"]["tokens_per_second"] / runs["peer"]["tokens_per_second"]
     compiled = {
         layout: runs[f"{layout}_compiled"]["tokens_per_second"] / runs[eager]["tokens_per_second"]
-        for layout, eager in (("sharded", "sharded_unmerged"), ("unsharded", "unsharded"))
+        for layout, eager in (("sharded", "sharded_unmerged"), ("unsharded", "unsharded_unmerged"))
     }
     compiled_over_peer = runs["unsharded_compiled"]["tokens_per_second"] / runs["peer"]["tokens_per_second"]
     print(f"adapter merged / unmerged (sharded, all gathered): {merged_ratio:.2f}")
     print(f"sharded / peer (plain transformers, static cache, compiled): {peer_ratio:.2f}")
     print(
         f"compiled decode step: sharded / sharded_unmerged (the eager path before) {compiled['sharded']:.2f}; "
-        f"unsharded / unsharded eager {compiled['unsharded']:.2f}; unsharded / peer (one process each) "
+        f"unsharded / unsharded_unmerged {compiled['unsharded']:.2f}; unsharded / peer (one process each) "
         f"{compiled_over_peer:.2f}"
     )
     print(
@@ -241,7 +243,9 @@ def main() -> None:
         "merged_over_unmerged": merged_ratio,
         "sharded_over_peer": peer_ratio,
         "sharded_compiled_over_sharded_unmerged": compiled["sharded"],
-        "unsharded_compiled_over_unsharded": compiled["unsharded"],
+        "unsharded_compiled_over_unsharded_unmerged": compiled["unsharded"],
+        "unsharded_compiled_over_unsharded": runs["unsharded_compiled"]["tokens_per_second"]
+        / runs["unsharded"]["tokens_per_second"],
         "unsharded_compiled_over_peer": compiled_over_peer,
         "peer_completions_identical": peer_agrees,
         "naive_over_unsharded": naive_ratio,

@@ -171,7 +171,9 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
       fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit.
     Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
-    weight shared with another module (tied embeddings) and 4-bit layers stay unmerged.
+    weight shared with another module (tied embeddings) and 4-bit layers stay unmerged. For the block a merged layer
+    steps aside, its base in its place in the parent (unless the LoRA layer is an FSDP unit itself): the forward runs
+    no adapter code, and a compiled step traces and guards the modules of a plain model; it is back at exit.
     """
     in_place = bool(_fsdp2_units(model))
     if on_xla() or (is_sharded(model) and not in_place):  # XLA, FSDP1
@@ -179,37 +181,54 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
         return
     owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
     shared = _shared_parameters(model)
-    merged, replaced, used = [], [], 0
+    merged, replaced, unwrapped, used = [], [], [], 0
     try:
-        for layer in model.modules():
-            if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
-                continue
-            weight = layer.get_base_layer().weight
-            if (in_place and id(layer) not in owned) or id(weight) in shared:
-                continue
-            if in_place:
-                weight.data += layer.get_delta_weight(adapter).to(weight.dtype)
-            elif budget is None or used + weight.nbytes <= budget:
-                used += weight.nbytes
-                replaced.append((weight, weight.data))
-                weight.data = weight.data + layer.get_delta_weight(adapter).to(weight.dtype)
-            else:
-                continue
-            layer.merged_adapters.append(adapter)
-            merged.append(layer)
+        for parent in list(model.modules()):
+            for name, layer in list(parent.named_children()):
+                if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
+                    continue
+                weight = layer.get_base_layer().weight
+                if (in_place and id(layer) not in owned) or id(weight) in shared:
+                    continue
+                if in_place:
+                    _add_delta(layer, adapter, weight.data, in_place=True)
+                elif budget is None or used + weight.nbytes <= budget:
+                    used += weight.nbytes
+                    replaced.append((weight, weight.data))
+                    weight.data = _add_delta(layer, adapter, weight.data)
+                else:
+                    continue
+                layer.merged_adapters.append(adapter)
+                merged.append(layer)
+                if not isinstance(layer, FSDPModule):  # its base computes alone: no adapter code in the forward
+                    parent.register_module(name, layer.get_base_layer())
+                    unwrapped.append((parent, name, layer))
         yield len(merged)
     finally:
+        for parent, name, layer in unwrapped:
+            parent.register_module(name, layer)
         for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
             layer.merged_adapters.clear()
         for weight, original in replaced:
             weight.data = original
 
 
+def _add_delta(layer, adapter: str, weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``weight + s B A``: ``layer``'s adapter update added to ``weight`` (in place, else into a new tensor). One fused
+    multiply-add where the adapter has the weight's dtype; else peft's delta, made in the adapter's dtype."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if a.dtype == b.dtype == weight.dtype and not layer.fan_in_fan_out:
+        scale = layer.scaling[adapter]
+        return weight.addmm_(b, a, alpha=scale) if in_place else torch.addmm(weight, b, a, alpha=scale)
+    delta = layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight.add_(delta) if in_place else weight + delta
+
+
 @contextlib.contextmanager
 def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list | None = None) -> Iterator[int]:
-    """Each bitsandbytes 4-bit linear layer whose weight is whole here replaced, for the block, by a plain
-    ``nn.Linear`` holding that weight dequantized once, while the copies fit in ``budget`` bytes (``None``: no limit);
-    yields the bytes they take. The originals are back at exit.
+    """Each bitsandbytes 4-bit linear layer whose weight is whole here replaced, for the block, by a
+    `DequantizedLinear` (an ``nn.Linear``) holding that weight dequantized once, while the copies fit in ``budget``
+    bytes (``None``: no limit); yields the bytes they take. The originals are back at exit.
 
     A token step then reads 16-bit weights with one matmul a layer (and a compiled step can trace it), instead of
     dequantizing or running bitsandbytes' 4-bit kernel in every layer at every token. Equal to bitsandbytes' own

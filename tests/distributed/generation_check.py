@@ -72,8 +72,10 @@ def training_step_all_gathers() -> int:
 
 merged_layers: set[str] = set()  # the LoRA layers that computed merged in a generate call
 lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLinear)}
-for name, layer in lora_layers.items():
-    layer.register_forward_pre_hook(lambda module, _, name=name: merged_layers.add(name) if module.merged else None)
+for name, layer in lora_layers.items():  # the base computes in both forms: alone, or inside the LoRA layer
+    layer.base_layer.register_forward_pre_hook(
+        lambda _m, _a, name=name, lora=layer: merged_layers.add(name) if lora.merged else None
+    )
 
 before = training_step_all_gathers()
 shards = {name: p.to_local().clone() for name, p in model.named_parameters()}

@@ -94,13 +94,16 @@ def lora_model(tiny_model_dir, dropout: float = 0.0, base=None):
 
 
 def merged_while_generating(model) -> set[str]:
-    """The LoRA layers that computed merged in forwards from now on (hooks)."""
+    """The LoRA layers that computed merged in forwards from now on (hooks on their base layers, which compute in both
+    forms: inside the LoRA layer, or alone in its place while merged)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     seen: set[str] = set()
     for name, layer in model.named_modules():
         if isinstance(layer, LoraLinear):
-            layer.register_forward_pre_hook(lambda module, _, name=name: seen.add(name) if module.merged else None)
+            layer.base_layer.register_forward_pre_hook(
+                lambda _module, _args, name=name, lora=layer: seen.add(name) if lora.merged else None
+            )
     return seen
 
 
@@ -117,7 +120,12 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
     tokenizer.batch_decode = lambda rows, **kwargs: [" ".join(map(str, row.tolist())) for row in rows]
     prompts = [f"<|user|>{w}<|assistant|>" for w in ("apple", "river", "cloud")]
     weights = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    modules = dict(model.named_modules())
     seen = merged_while_generating(model)
+    wrapped: set[str] = set()  # merged LoRA layers whose own forward ran: none, their bases stand in their places
+    for name, layer in modules.items():
+        if hasattr(layer, "lora_A"):
+            layer.register_forward_pre_hook(lambda m, _, name=name: wrapped.add(name) if m.merged else None)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     completions = {}
     for budget, merged in (("all", False), ("all", True), (f"{q_proj.nbytes}B", True)):
@@ -132,7 +140,29 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
     )
     for name, p in model.named_parameters():
         assert p.data_ptr() == weights[name][0] and torch.equal(p, weights[name][1]), name
+    assert wrapped == set() and dict(model.named_modules()) == modules  # every LoRA layer back in its place
     assert not any(getattr(module, "merged", False) for module in model.modules())
+
+
+def test_a_merged_weight_is_the_base_plus_the_scaled_adapter_product(tiny_model_dir):
+    """The merge against its definition, ``W + s B A`` in float64: fused where the adapter has the weight's dtype,
+    peft's delta (made in the adapter's dtype) where it has not; in place (a gathered copy) or into a new tensor."""
+    import torch
+
+    from fsdp_peft.tools.generation import _add_delta
+
+    model = lora_model(tiny_model_dir)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    a, b = (layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double())
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        weight = layer.base_layer.weight.detach().to(dtype)
+        expected = weight.double() + layer.scaling["default"] * (b @ a)
+        merged = _add_delta(layer, "default", weight)
+        assert merged.dtype == dtype and merged.data_ptr() != weight.data_ptr()
+        torch.testing.assert_close(merged.double(), expected, rtol=tolerance, atol=tolerance)
+        in_place = weight.clone()
+        assert _add_delta(layer, "default", in_place, in_place=True).data_ptr() == in_place.data_ptr()
+        assert torch.equal(in_place, merged)
 
 
 def test_active_dropout_and_4_bit_bases_stay_unmerged(tiny_model_dir):
