@@ -200,19 +200,21 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
                     continue
                 layer.merged_adapters.append(adapter)
                 merged.append(layer)
-                if not isinstance(layer, FSDPModule):  # its base computes alone: no adapter code in the forward
-                    parent.register_module(name, layer.get_base_layer())
+                # its base computes alone, no adapter code in the forward (not a unit, nor a wrapper of a wrapper)
+                if not isinstance(layer, FSDPModule) and layer.base_layer is layer.get_base_layer():
+                    parent.register_module(name, layer.base_layer)
                     unwrapped.append((parent, name, layer))
         yield len(merged)
     finally:
-        for parent, name, layer in unwrapped:
+        for parent, name, layer in reversed(unwrapped):
             parent.register_module(name, layer)
         for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
             layer.merged_adapters.clear()
-        for weight, original in replaced:
+        for weight, original in reversed(replaced):
             weight.data = original
 
 
+@torch.no_grad()  # GRPO's rollouts gather outside TRL's no_grad: no autograd graph over the trainable adapter
 def _add_delta(layer, adapter: str, weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``weight + s B A``: ``layer``'s adapter update added to ``weight`` (in place, else into a new tensor). One fused
     multiply-add where the adapter has the weight's dtype; else peft's delta, made in the adapter's dtype."""

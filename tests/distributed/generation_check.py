@@ -37,7 +37,8 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 recipe = RecipeArguments(torch_dtype="float32")
 tokenizer = load_tokenizer(recipe)
-model = get_peft_model(load_base_model(recipe), LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)  # scaling 2, not 1
+model = get_peft_model(load_base_model(recipe), lora)
 # Completions as token ids: a random adapter emits bytes that are not valid UTF-8 on their own.
 tokenizer.batch_decode = lambda rows, **kwargs: [" ".join(map(str, row.tolist())) for row in rows]
 prompts = [f"<|user|>{w}<|assistant|>" for w in ("apple", "river", "cloud", "stone", "tiger")]
@@ -76,6 +77,10 @@ for name, layer in lora_layers.items():  # the base computes in both forms: alon
     layer.base_layer.register_forward_pre_hook(
         lambda _m, _a, name=name, lora=layer: merged_layers.add(name) if lora.merged else None
     )
+wrapped: set[str] = set()  # merged LoRA layers whose own forward ran: none, their bases stand in their places
+for name, layer in lora_layers.items():
+    layer.register_forward_pre_hook(lambda module, _a, name=name: wrapped.add(name) if module.merged else None)
+modules = dict(model.named_modules())
 
 before = training_step_all_gathers()
 shards = {name: p.to_local().clone() for name, p in model.named_parameters()}
@@ -138,6 +143,8 @@ for unit in units:
     unit.reshard()
 report["shards_unchanged"] = all(torch.equal(p.to_local(), shards[name]) for name, p in model.named_parameters())
 report["merged_after"] = [name for name, layer in lora_layers.items() if layer.merged]
+report["merged_layers_own_forward"] = sorted(wrapped)
+report["modules_unchanged"] = dict(model.named_modules()) == modules
 report["training_step_all_gathers"] = [before, training_step_all_gathers()]
 report["all_parameters_sharded_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
 report["agreed_budget"] = _budget_agreed_by_all_ranks(None if rank == 0 else 12345)

@@ -47,6 +47,7 @@ def test_the_adapter_is_merged_into_the_gathered_units_only_and_no_shard_changes
     assert len(partial["merged_layers"]) == 2 * 7
     # merged into the gathered copies, which resharding drops: every shard bit for bit as before, none left merged
     assert report["shards_unchanged"] and report["merged_after"] == []
+    assert report["merged_layers_own_forward"] == [] and report["modules_unchanged"]  # bases stood in, then back
     # units gathered before the call and not kept (FSDP2 leaves them gathered after it): unmerged, the same tokens,
     # and the next forward computes as the one before the call (no adapter applied twice)
     before = report["gathered_before_the_call"]
@@ -76,6 +77,7 @@ def test_on_one_rank_too_the_merge_goes_into_the_gathered_copy_not_the_shard(tin
         one["budgets"]["all"]["completions"] == one["reference"] and len(one["budgets"]["all"]["merged_layers"]) == 28
     )
     assert one["shards_unchanged"] and one["merged_after"] == []
+    assert one["merged_layers_own_forward"] == [] and one["modules_unchanged"]
 
 
 def test_ranks_agree_on_the_smallest_budget(report):
@@ -89,7 +91,9 @@ def lora_model(tiny_model_dir, dropout: float = 0.0, base=None):
 
     torch.manual_seed(0)
     base = base if base is not None else AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
+    config = LoraConfig(  # lora_alpha 16: a scaling of 2, so a merge that drops or inverts it shows
+        r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False
+    )
     return get_peft_model(base, config)
 
 
@@ -145,18 +149,25 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
 
 
 def test_a_merged_weight_is_the_base_plus_the_scaled_adapter_product(tiny_model_dir):
-    """The merge against its definition, ``W + s B A`` in float64: fused where the adapter has the weight's dtype,
-    peft's delta (made in the adapter's dtype) where it has not; in place (a gathered copy) or into a new tensor."""
+    """The merge against its definition, ``W + s B A`` in float64 (scaling 2): fused where the adapter has the
+    weight's dtype (fp32, bf16 as under mixed precision), peft's delta (made in the adapter's dtype) where it has not
+    (a bf16 weight, an fp32 adapter); in place (a gathered copy) or into a new tensor."""
     import torch
 
     from fsdp_peft.tools.generation import _add_delta
 
-    model = lora_model(tiny_model_dir)
-    layer = model.base_model.model.model.layers[0].mlp.down_proj
-    a, b = (layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double())
-    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+    layer = lora_model(tiny_model_dir).base_model.model.model.layers[0].mlp.down_proj
+    assert layer.scaling["default"] == 2
+    cases = (
+        (torch.float32, torch.float32, 1e-6),
+        (torch.bfloat16, torch.float32, 1e-2),
+        (torch.bfloat16,) * 2 + (1e-2,),
+    )
+    for dtype, adapter_dtype, tolerance in cases:
+        layer.to(adapter_dtype)
         weight = layer.base_layer.weight.detach().to(dtype)
-        expected = weight.double() + layer.scaling["default"] * (b @ a)
+        a, b = (layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double())
+        expected = weight.double() + 2 * (b @ a)
         merged = _add_delta(layer, "default", weight)
         assert merged.dtype == dtype and merged.data_ptr() != weight.data_ptr()
         torch.testing.assert_close(merged.double(), expected, rtol=tolerance, atol=tolerance)
