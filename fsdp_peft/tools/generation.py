@@ -183,31 +183,29 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     shared = _shared_parameters(model)
     merged, replaced, unwrapped, used = [], [], [], 0
     try:
-        for parent in list(model.modules()):
-            for name, layer in list(parent.named_children()):
-                if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
-                    continue
-                weight = layer.get_base_layer().weight
-                if (in_place and id(layer) not in owned) or id(weight) in shared:
-                    continue
-                if in_place:
-                    _add_delta(layer, adapter, weight.data, in_place=True)
-                elif budget is None or used + weight.nbytes <= budget:
-                    used += weight.nbytes
-                    replaced.append((weight, weight.data))
-                    weight.data = _add_delta(layer, adapter, weight.data)
-                else:
-                    continue
-                layer.merged_adapters.append(adapter)
-                merged.append(layer)
-                # its base computes alone, no adapter code in the forward (not a unit, nor a wrapper of a wrapper)
-                if not isinstance(layer, FSDPModule) and layer.base_layer is layer.get_base_layer():
-                    parent.register_module(name, layer.base_layer)
-                    unwrapped.append((parent, name, layer))
+        for parent, name, layer in _child_slots(model):
+            if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
+                continue
+            weight = layer.get_base_layer().weight
+            if (in_place and id(layer) not in owned) or id(weight) in shared:
+                continue
+            if in_place:
+                _add_delta(layer, adapter, weight.data, in_place=True)
+            elif budget is None or used + weight.nbytes <= budget:
+                used += weight.nbytes
+                replaced.append((weight, weight.data))
+                weight.data = _add_delta(layer, adapter, weight.data)
+            else:
+                continue
+            layer.merged_adapters.append(adapter)
+            merged.append(layer)
+            # its base computes alone, no adapter code in the forward (not a unit, nor a wrapper of a wrapper)
+            if not isinstance(layer, FSDPModule) and layer.base_layer is layer.get_base_layer():
+                parent.register_module(name, layer.base_layer)
+                unwrapped.append((parent, name, layer))
         yield len(merged)
     finally:
-        for parent, name, layer in reversed(unwrapped):
-            parent.register_module(name, layer)
+        _put_back(unwrapped)
         for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
             layer.merged_adapters.clear()
         for weight, original in reversed(replaced):
@@ -249,23 +247,32 @@ def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list 
     dtype = model.get_input_embeddings().weight.dtype
     swapped, used = [], 0
     try:
-        for parent in list(model.modules()):
-            for name, layer in list(parent.named_children()):
-                if not isinstance(layer, bitsandbytes.nn.Linear4bit) or (fsdp2 and id(layer) not in owned):
-                    continue
-                states = [getattr(layer, "quant_state", None), getattr(layer.weight, "quant_state", None)]
-                if isinstance(layer.weight, DTensor) or states == [None, None] or any(_repacked(s) for s in states):
-                    continue
-                size = layer.in_features * layer.out_features * dtype.itemsize
-                if (layer.compute_dtype or dtype) != dtype or (budget is not None and used + size > budget):
-                    continue
-                parent.register_module(name, _dense_copy(layer, dtype))  # the child swapped for the block
-                swapped.append((parent, name, layer))
-                used += size
+        for parent, name, layer in _child_slots(model):
+            if not isinstance(layer, bitsandbytes.nn.Linear4bit) or (fsdp2 and id(layer) not in owned):
+                continue
+            states = [getattr(layer, "quant_state", None), getattr(layer.weight, "quant_state", None)]
+            if isinstance(layer.weight, DTensor) or states == [None, None] or any(_repacked(s) for s in states):
+                continue
+            size = layer.in_features * layer.out_features * dtype.itemsize
+            if (layer.compute_dtype or dtype) != dtype or (budget is not None and used + size > budget):
+                continue
+            parent.register_module(name, _dense_copy(layer, dtype))  # the child swapped for the block
+            swapped.append((parent, name, layer))
+            used += size
         yield used
     finally:
-        for parent, name, layer in swapped:
-            parent.register_module(name, layer)
+        _put_back(swapped)
+
+
+def _child_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Every ``(parent, name, child)`` in ``model``, listed before any is swapped (the swaps leave the list as is)."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+
+
+def _put_back(swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
+    """Each ``(parent, name, child)`` slot given its original child again, the last swapped first."""
+    for parent, name, child in reversed(swapped):
+        parent.register_module(name, child)
 
 
 def _repacked(state) -> bool:

@@ -97,18 +97,21 @@ def lora_model(tiny_model_dir, dropout: float = 0.0, base=None):
     return get_peft_model(base, config)
 
 
-def merged_while_generating(model) -> set[str]:
+def merged_while_generating(model) -> tuple[set[str], set[str]]:
     """The LoRA layers that computed merged in forwards from now on (hooks on their base layers, which compute in both
-    forms: inside the LoRA layer, or alone in its place while merged)."""
+    forms: inside the LoRA layer, or alone in its place while merged), and those of them whose own forward ran
+    (hooks on the LoRA layers: none, when their bases stand in their places)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     seen: set[str] = set()
+    wrapped: set[str] = set()
     for name, layer in model.named_modules():
         if isinstance(layer, LoraLinear):
             layer.base_layer.register_forward_pre_hook(
                 lambda _module, _args, name=name, lora=layer: seen.add(name) if lora.merged else None
             )
-    return seen
+            layer.register_forward_pre_hook(lambda m, _args, name=name: wrapped.add(name) if m.merged else None)
+    return seen, wrapped
 
 
 def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_weights_come_back(tiny_model_dir):
@@ -125,11 +128,7 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
     prompts = [f"<|user|>{w}<|assistant|>" for w in ("apple", "river", "cloud")]
     weights = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
     modules = dict(model.named_modules())
-    seen = merged_while_generating(model)
-    wrapped: set[str] = set()  # merged LoRA layers whose own forward ran: none, their bases stand in their places
-    for name, layer in modules.items():
-        if hasattr(layer, "lora_A"):
-            layer.register_forward_pre_hook(lambda m, _, name=name: wrapped.add(name) if m.merged else None)
+    seen, wrapped = merged_while_generating(model)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     completions = {}
     for budget, merged in (("all", False), ("all", True), (f"{q_proj.nbytes}B", True)):
@@ -159,9 +158,9 @@ def test_a_merged_weight_is_the_base_plus_the_scaled_adapter_product(tiny_model_
     layer = lora_model(tiny_model_dir).base_model.model.model.layers[0].mlp.down_proj
     assert layer.scaling["default"] == 2
     cases = (
-        (torch.float32, torch.float32, 1e-6),
-        (torch.bfloat16, torch.float32, 1e-2),
-        (torch.bfloat16,) * 2 + (1e-2,),
+        (torch.float32, torch.float32, 1e-6),  # fp32: one rounding of a sum over r=8 products (~1e-7 relative)
+        (torch.bfloat16, torch.float32, 1e-2),  # bf16: the result rounded to 8 significant bits (2^-9 relative)
+        (torch.bfloat16,) * 2 + (1e-2,),  # and the adapter's own bf16 rounding, already in the float64 reference
     )
     for dtype, adapter_dtype, tolerance in cases:
         layer.to(adapter_dtype)
