@@ -95,7 +95,8 @@ class GatheredRollouts:
         budget, dequantized = parse_gather_budget(self.gather_budget), compiles_here(self.model, self.compiled)
         with parameters_gathered(self.model_wrapped, budget, self.merged_adapter, dequantized) as whole:
             width = max((len(ids) for ids in prompt_ids), default=0)
-            with decode_step(self.model, self.compiled, whole, width, self.max_completion_length) as decoding:
+            rows = len(prompt_ids)
+            with decode_step(self.model, self.compiled, whole, width, self.max_completion_length, rows) as decoding:
                 configured = self.generation_config
                 self.generation_config = copy.deepcopy(configured)
                 self.generation_config.update(**decoding)

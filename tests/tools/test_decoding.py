@@ -84,3 +84,87 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
     with four_bit_dequantized(model, budget) as used:
         assert 0 < used <= budget
         assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) < len(layers)
+
+
+def test_a_weight_first_linear_computes_the_layers_product():
+    """``(W xᵀ)ᵀ + b`` against the definition ``x Wᵀ + b`` in float64: a decode step's rows, a prefill's 3-D input,
+    with and without a bias; the stand-in has no parameters of its own."""
+    from fsdp_peft.tools.decoding import WeightFirstLinear
+
+    torch.manual_seed(0)
+    for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False)):
+        stand_in = WeightFirstLinear(layer)
+        assert list(stand_in.parameters()) == []
+        for x in (torch.randn(5, 48), torch.randn(2, 7, 48), torch.randn(3, 1, 48)):
+            expected = x.double() @ layer.weight.double().T
+            expected = expected if layer.bias is None else expected + layer.bias.double()
+            with torch.no_grad():
+                got = stand_in(x)
+            assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_each_layer_shape_is_timed_both_ways_once_and_swapped_past_the_margin(monkeypatch):
+    """The orientation is measured, not assumed: ``(W xᵀ)ᵀ`` chosen only when at least `ORIENTATION_MARGIN` faster,
+    each shape, dtype, rows and threads timed once per process."""
+    from fsdp_peft.tools import decoding
+
+    timings = iter([1.0, 0.85, 1.0, 0.95])  # x Wᵀ, then (W xᵀ)ᵀ: 1.18x faster, then 1.05x
+    timed = []
+    monkeypatch.setattr(decoding, "_best_seconds", lambda call: timed.append(call) or next(timings))
+    monkeypatch.setattr(decoding, "_ORIENTATION", {})
+    assert decoding.weight_first_is_faster(torch.zeros(64, 32), rows=16)
+    assert decoding.weight_first_is_faster(torch.zeros(64, 32), rows=16) and len(timed) == 2  # cached
+    assert not decoding.weight_first_is_faster(torch.zeros(64, 32), rows=8) and len(timed) == 4
+    assert decoding.ORIENTATION_MARGIN == 1.1
+
+
+def test_linear_layers_stand_in_weight_first_for_a_compiled_cpu_call_and_draw_the_eager_tokens(
+    tiny_model_dir, monkeypatch
+):
+    """With 2 threads, every plain linear layer found faster weight first (all of them here: the check forced; the
+    LoRA layers' own bases and adapters included, the LoRA layers themselves not) stands in for the block and is back
+    after it; with one thread none does. Greedy generation with every layer swapped compiled: the eager path's
+    tokens, and a second call compiles no new graph (a new stand-in each call)."""
+    from transformers import AutoTokenizer
+
+    from fsdp_peft.tools import decoding
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+
+    model = lora_model(tiny_model_dir)
+    before = dict(model.named_modules())
+    plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
+    assert any(name.endswith("lm_head") for name in plain) and any(".lora_A." in name for name in plain)
+    monkeypatch.setattr(decoding, "weight_first_is_faster", lambda weight, rows: True)
+    made = []
+
+    class Counted(decoding.WeightFirstLinear):
+        def __init__(self, linear):
+            super().__init__(linear)
+            made.append(self)
+
+    monkeypatch.setattr(decoding, "WeightFirstLinear", Counted)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with decoding.weight_first_layers(model, 3) as swapped:
+            during = dict(model.named_modules())
+            assert swapped == len(plain) == len(made)
+            assert all(type(during[name]) is Counted for name in plain)
+            assert all(during[name].of[0] is before[name] for name in plain)
+        assert dict(model.named_modules()) == before
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        prompts = ["hello there", "a b c", "the cat sat"]
+        eager = generate_completions(model, tokenizer, prompts, GenerationSettings(12, 2, compiled="false"), "cpu")
+        compiled = GenerationSettings(12, 2, compiled="true")
+        made.clear()
+        assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
+        merged = {name for name in plain if ".lora_" not in name}  # merged: the bases alone, no adapter layers
+        assert len(made) == 2 * len(merged)  # two calls: 2 prompts, then 1 (batch size 2); eager made none
+        graphs = decoding.graphs_compiled()
+        assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
+        assert decoding.graphs_compiled() == graphs > 0
+        torch.set_num_threads(1)
+        with decoding.weight_first_layers(model, 3) as swapped:
+            assert swapped == 0 and dict(model.named_modules()) == before
+    finally:
+        torch.set_num_threads(threads)
