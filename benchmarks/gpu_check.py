@@ -5,8 +5,8 @@ random-weight Qwen3-MoE shape: QLoRA with its experts in 4 bits and LoRA on a bf
 them, bitsandbytes' 4-bit kernels against a decoder written from the formats' definition.
 
 One module per check under ``benchmarks/gpu_checks/`` (its docstring says what it runs and measures): ``kernels``,
-``sft`` (the SFT pairs and their MFU), ``grpo``, ``moe``, ``vision``, ``sequence_parallel``; ``common`` holds what
-they share. This driver runs them in that order within the budget and writes the report.
+``sft`` (the SFT pairs and their MFU), ``grpo``, ``generation``, ``moe``, ``vision``, ``sequence_parallel``;
+``common`` holds what they share. This driver runs them in that order within the budget and writes the report.
 
     python benchmarks/gpu_check.py --dry-run        # CPU: embedded tiny models, tiny sizes, same code path
     python benchmarks/gpu_check.py --shapes moe     # one GPU: the MoE runs alone
@@ -38,6 +38,7 @@ from gpu_checks.common import (
     recipe_yaml,
     scratch_directory,
 )
+from gpu_checks.generation import GENERATE_MODES, generate_check
 from gpu_checks.grpo import GRPO_DRY_RUNS, GRPO_RUNS, GRPO_SIZES, grpo_run, grpo_summary
 from gpu_checks.kernels import kernel_check, kernel_run, print_kernels
 from gpu_checks.moe import EXPERT_BYTES_BOUND, MOE_DRY_RUNS, MOE_LORA, MOE_RUNS
@@ -82,13 +83,17 @@ def drive(args) -> None:
     """All runs, each in a child process, within ``--budget`` seconds; the JSON is rewritten after each."""
     import torch
 
+    from fsdp_peft.model.paths import tiny_model_path
+
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     order = (
-        args.shapes or ("kernels,tiny,grpo,moe,vlm,sp" if args.dry_run else "kernels,1b,grpo,moe,vlm,sp,8b")
+        args.shapes
+        or ("kernels,tiny,grpo,generate,moe,vlm,sp" if args.dry_run else "kernels,1b,grpo,generate,moe,vlm,sp,8b")
     ).split(",")
     shapes = {
         "grpo": "tiny" if args.dry_run else args.grpo_shape,
+        "generate": "tiny" if args.dry_run else "8b",
         "moe": "tiny-moe" if args.dry_run else "moe",
         "vlm": "tiny-vl" if args.dry_run else "qwen2.5-vl-7b",
         "sp": "tiny" if args.dry_run else "8b",
@@ -154,6 +159,10 @@ def drive(args) -> None:
             sequence_parallel_check(shape, device, gpu_memory, args, report, started, measured)
             continue
         path = checkpoint(shape, device) if budget_left(args, started) >= RUN_MINIMUM_SECONDS else ""  # else skipped
+        if item == "generate":  # the command's SOURCE: a directory (an embedded model's too)
+            model = str(tiny_model_path(TINY_MODELS[shape])) if shape in TINY_MODELS else path
+            generate_check(shape, model, GENERATE_MODES, args, report, started, measured)
+            continue
         if item == "grpo":
             for mode, method in grpo_runs:
                 entry = {"model": shape, "method": method, "impl": f"grpo {mode}"}
@@ -232,6 +241,15 @@ def print_entry(entry: dict) -> None:
     if "matches_reference" in entry:
         print_kernels(head, entry)
         return
+    if "share_of_bound" in entry:  # fsdp-peft generate
+        bound = entry["bound_tokens_per_second"]
+        against = f"bound {bound:.0f} tok/s, {entry['share_of_bound']:.1%} of it" if bound else "bound n/a"
+        print(
+            f"{head} {entry['tokens_per_second']:>9.1f} tok/s ({against}); first call {entry['first_call_seconds']:.1f}"
+            f" s, {entry['graphs_compiled']} graphs compiled",
+            flush=True,
+        )
+        return
     from fsdp_peft.tools.plan import gib as size
 
     gib = lambda v: size(v) if v else "n/a"  # noqa: E731
@@ -277,8 +295,9 @@ def main() -> None:
     parser.add_argument(
         "--shapes",
         help="what runs, in this order: kernels (4-bit kernels against the reference decoder), SFT model shapes, grpo"
-        " (the GRPO runs), moe (the MoE runs) and vlm (the vision-language runs); default kernels,1b,grpo,moe,vlm,8b"
-        " (dry run: kernels,tiny,grpo,moe,vlm)",
+        " (the GRPO runs), generate (fsdp-peft generate), moe (the MoE runs), vlm (the vision-language runs) and sp"
+        " (sequence parallelism); default kernels,1b,grpo,generate,moe,vlm,sp,8b (dry run: kernels,tiny,grpo,"
+        "generate,moe,vlm,sp)",
     )
     parser.add_argument("--grpo-shape", default="1b", choices=sorted(GRPO_SIZES), help="the GRPO runs' model shape")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first two are not timed)")

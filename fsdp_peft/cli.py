@@ -309,6 +309,14 @@ def _add_model_commands(commands) -> None:
     generate.add_argument("--unmerged-adapter", action="store_true", help=UNMERGED_ADAPTER_HELP)
     generate.add_argument("--compiled", choices=COMPILED_CHOICES, default="auto", help=COMPILED_DECODING_HELP)
     generate.add_argument("--json", action="store_true", help="print one JSON line per prompt: prompt, completion")
+    generate.add_argument(
+        "--timed-calls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the completions, time N more calls of the same prompts, each completion exactly --max-new-tokens "
+        "tokens, and print tokens per second (the first call, which compiles, apart; with --json a 'timing' line)",
+    )
     generate.set_defaults(run=_generate)
     evaluate = commands.add_parser(
         "eval",

@@ -41,6 +41,7 @@ import yaml
 
 from conftest import REPO, free_port
 from fsdp_peft.model.paths import HUB_CONFIGS as SHIPPED_HUB_CONFIGS
+from fsdp_peft.model.paths import tiny_model_path
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "console"}
@@ -623,6 +624,18 @@ def check(outcome: Outcome, documented: list[str]) -> None:
             weights = [run["planned"]["components"][key] for key in ("base weights (shard)", "adapter weights (shard)")]
             constants = run["planned"]["components"]["quantization constants (whole)"]
             assert run["rollout_weight_bytes_per_token_step"] == sum(weights) + constants > 0, run
+        # fsdp-peft generate, compiled and eager: its own timing line, the tiny model's stored bytes less its untied
+        # fp32 input embedding (a token step reads a row of it), no bound without a GPU
+        generate = {r["impl"]: r for r in report["runs"] if r["impl"].startswith("generate ")}
+        assert set(generate) == {"generate --compiled true", "generate --compiled false"}, report["runs"]
+        assert [generate[k]["graphs_compiled"] for k in sorted(generate)] == [0, 1], generate
+        config = json.loads((tiny_model_path() / "config.json").read_text())
+        stored = sum(path.stat().st_size for path in tiny_model_path().glob("*.safetensors"))
+        stored -= 0 if config["tie_word_embeddings"] else config["vocab_size"] * config["hidden_size"] * 4
+        for run in generate.values():
+            assert run["completions"] == run["prompts"] == 4 and run["bound_tokens_per_second"] is None, run
+            assert run["weight_bytes_per_token_step"] == stored and run["tokens_per_second"] > 0, run
+        assert list(report["generate"]) == ["compiled_over_eager_4_prompts"], report["generate"]
         # the split pair (2 gloo ranks against one process, QLoRA):
         # tests/parallel/test_sequence_parallel.py's QLoRA bound
         assert report["sequence_parallel"]["largest_relative_loss_difference"] <= 1e-4, report["sequence_parallel"]

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from fsdp_peft.model.variants import init_reads_base_weights
 from fsdp_peft.model.vision import auto_model_class, is_vision_config, vision_runs_on_every_rank
 from fsdp_peft.parallel.fsdp_policies import shard_for_generation
 from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.tools.decoding import graphs_compiled
 from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
 MERGED_SOURCE = "a merged model directory (config.json + *.safetensors)"
@@ -176,6 +178,35 @@ def read_images(paths: list[Path], prompts: int) -> list[Path]:
     return [str(p) for p in paths] * (prompts if len(paths) == 1 else 1)
 
 
+def timed_calls(model, tokenizer, texts: list, settings, device, encode, calls: int) -> dict:
+    """``calls`` more generation calls of ``texts`` after the first, each completion exactly
+    ``settings.max_new_tokens`` tokens (EOS held off): tokens a second over them, and how many graphs were compiled
+    (`fsdp_peft.tools.decoding`). Collective, as generation is."""
+    timed = dataclasses.replace(settings, ignore_eos=True)
+    start = time.perf_counter()
+    for _ in range(calls):
+        generate_completions(model, tokenizer, texts, timed, device, encode=encode)
+    seconds = (time.perf_counter() - start) / calls
+    tokens = len(texts) * settings.max_new_tokens
+    return {
+        "prompts": len(texts),
+        "new_tokens": settings.max_new_tokens,
+        "calls": calls,
+        "seconds_per_call": seconds,
+        "tokens_per_second": tokens / seconds,
+        "graphs_compiled": graphs_compiled(),
+    }
+
+
+def timing_line(timing: dict) -> str:
+    return (
+        f"generation: {timing['tokens_per_second']:.1f} tokens/s ({timing['prompts']} prompts x "
+        f"{timing['new_tokens']} new tokens, {timing['seconds_per_call']:.3f} s per call over {timing['calls']} "
+        f"calls after the first, which took {timing['first_call_seconds']:.1f} s; {timing['graphs_compiled']} graphs "
+        "compiled)"
+    )
+
+
 def image_prompt(processor, prompt: str) -> str:
     """``prompt`` as the user's turn with an image before it, in the processor's chat template."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
@@ -186,6 +217,8 @@ def run_generate(args) -> None:
     """The ``generate`` command: load, (shard), generate, print on rank 0."""
     if args.greedy and (args.temperature is not None or args.top_p is not None):
         raise ConfigError("--greedy and --temperature/--top-p exclude each other: drop --greedy to sample")
+    if getattr(args, "timed_calls", 0) < 0:
+        raise ConfigError(f"--timed-calls: {args.timed_calls} is negative; give 0 (no timing) or more calls")
     prompts = read_prompts(args.prompt, args.prompts_file)
     images = read_images(getattr(args, "image", None) or [], len(prompts))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -224,12 +257,19 @@ def run_generate(args) -> None:
     )
     stream = len(prompts) == 1 and not args.json
     streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    first_call = time.perf_counter()
     completions = generate_completions(
         loaded.model, loaded.tokenizer, texts, settings, device, streamer=streamer, encode=encode
     )
+    first_call = time.perf_counter() - first_call
     if completions is not None:
         for prompt, completion in zip(prompts, completions):
             if args.json:
                 print(json.dumps({"prompt": prompt, "completion": completion}), flush=True)
             elif not stream:
                 print(f">>> {prompt}\n{completion}\n", flush=True)
+    if getattr(args, "timed_calls", 0):
+        timing = timed_calls(loaded.model, loaded.tokenizer, texts, settings, device, encode, args.timed_calls)
+        timing["first_call_seconds"] = first_call
+        if completions is not None:
+            print(json.dumps({"timing": timing}) if args.json else timing_line(timing), flush=True)

@@ -89,6 +89,7 @@ def reference(trained, tiny_model_dir) -> list[str]:
 def _json_completions(result) -> list[str]:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rows = [row for row in rows if "timing" not in row]
     assert [row["prompt"] for row in rows] == PROMPTS
     return [row["completion"] for row in rows]
 
@@ -103,9 +104,20 @@ def test_adapter_directory_with_prompts_as_arguments(trained, reference):
 def test_merged_model_directory_with_a_prompts_file(trained, reference, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n\n")
-    result = run_command([*CLI, str(trained / "merged"), "--prompts-file", str(prompts), *NEW_TOKENS, "--json"])
+    timed = ["--json", "--timed-calls", "2"]
+    result = run_command([*CLI, str(trained / "merged"), "--prompts-file", str(prompts), *NEW_TOKENS, *timed])
     assert _json_completions(result) == reference
     assert f"generating from merged model {trained / 'merged'}" in result.stderr
+    # --timed-calls: two more calls of the 3 prompts, 12 tokens each, timed after the first (eager on CPU: no graph)
+    timing = json.loads(result.stdout.splitlines()[-1])["timing"]
+    assert {k: timing[k] for k in ("prompts", "new_tokens", "calls", "graphs_compiled")} == {
+        "prompts": 3,
+        "new_tokens": 12,
+        "calls": 2,
+        "graphs_compiled": 0,
+    }
+    assert timing["tokens_per_second"] * timing["seconds_per_call"] == pytest.approx(36)
+    assert timing["first_call_seconds"] > 0
 
 
 def test_training_output_dir_with_prompts_on_stdin(trained, reference):
@@ -179,6 +191,7 @@ def test_single_prompt_is_streamed_and_sampling_is_seeded(trained, reference):
         (["{tmp}/missing"], "SOURCE: {tmp}/missing does not exist"),
         (["{tmp}", "--prompts-file", "{tmp}/none.txt"], "--prompts-file: file not found: {tmp}/none.txt"),
         (["{tmp}", "--greedy", "--temperature", "0.7"], "--greedy and --temperature/--top-p exclude each other"),
+        (["{tmp}", "--timed-calls", "-1"], "--timed-calls: -1 is negative; give 0 (no timing) or more calls"),
     ],
 )
 def test_bad_sources_and_options_are_clear_errors(tmp_path, arguments, message):
