@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU check: one unattended run of at most 8 minutes on a single GPU (written for one H200).
 #
-#   bash benchmarks/gpu_check.sh              # install what is missing, then measure 1B, GRPO, MoE, VLM, SP and 8B runs
+#   bash benchmarks/gpu_check.sh            # install what is missing, then measure 1B, GRPO, generate, MoE, VLM, SP, 8B
 #   bash benchmarks/gpu_check.sh --dry-run    # CPU: the same Python code on the embedded tiny models
 #
 # Measures, in this order: the 4-bit kernels against a reference decoder (seconds), ~1B SFT, GRPO, fsdp-peft
-# generate, MoE, VLM, sequence parallel (2 GPUs), 8B SFT (no run starts once the time is spent: the 8B runs, the costliest, are the ones a slow
+# generate, MoE, VLM, sequence parallel (2 GPUs), 8B SFT (no run starts once the time is spent: the 8B runs, the
+# costliest, are the ones a slow
 # machine leaves out, then the sequence-parallel and VLM runs; the JSON lists what was skipped):
 # - SFT, for a ~1B (TinyLlama shape) and an 8B-shaped (Llama 3.1 8B shape) random-weight Llama, LoRA
 #   and QLoRA with fsdp-peft and with plain transformers Trainer + peft, same settings: tokens/s, peak
@@ -30,7 +31,8 @@
 # - Sequence parallel (needs 2 GPUs; one GPU skips it): recipes/llama_qlora.py on the 8B shape, 16,384-token packed
 #   rows split over 2 ranks against one process on the whole rows: tokens/s, peaks next to the plans, loss difference.
 # benchmarks/gpu_check.py and its checks (benchmarks/gpu_checks/, one module each) have the details. The dry run
-# runs two of the four GRPO runs, generate at 4 prompts on tiny-llama, the MoE QLoRA run only, on the embedded tiny-qwen3-moe, the VLM QLoRA run on tiny-qwen2.5-vl, and the sequence-parallel pair on
+# runs two of the four GRPO runs, generate at 4 prompts on tiny-llama, the MoE QLoRA run only, on the embedded
+# tiny-qwen3-moe, the VLM QLoRA run on tiny-qwen2.5-vl, and the sequence-parallel pair on
 # tiny-llama over 2 gloo ranks (CI's time).
 # Writes benchmarks/results/gpu_check_<UTC date and time>.json (date, hardware, versions inside) and
 # copies it to benchmarks/results/gpu_check.json. Needs no network when the packages of

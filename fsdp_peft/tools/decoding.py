@@ -16,10 +16,11 @@ a CPU without the C++ compiler inductor needs; ``generate_compiled: false``; CPU
 runs and one line says why, once per process and reason.
 
 On a CPU with more than one thread, each plain linear layer of the compiled call may compute ``(W xᵀ)ᵀ`` in place of
-``x Wᵀ`` (`WeightFirstLinear`): the same products in one matmul, which MKL spreads over the threads better at a decode
-step's few rows (measured on 2 cores at 16 rows: 1.25x the layers of SmolLM2, 1.8x its output layer). Each layer
-shape is timed both ways once per process and number of rows (`weight_first_is_faster`), and swapped only where that
-orientation wins by `ORIENTATION_MARGIN`. GPUs and one-thread CPUs keep the layers as they are.
+``x Wᵀ`` (`weight_first_layers`): the same products in one matmul, which MKL spreads over the threads better at a
+decode step's few rows (measured on 2 cores at 16 rows: 1.25x the layers of SmolLM2, 1.8x its output layer). Each
+layer shape is timed both ways once per process and number of rows (`weight_first_is_faster`), and computes so only
+where that orientation wins by `ORIENTATION_MARGIN`: a timed choice, so two processes may differ in it, and in the
+rounding of their products. GPUs, one-thread CPUs and one-row calls keep the layers as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp_peft.core._compat.torch_patches import fsdp2_forward_hooks_detached
 from fsdp_peft.core.log import logger
@@ -162,45 +164,61 @@ def say_graphs_compiled() -> None:
         _say_once("generation decodes eagerly: transformers compiled no decode step (its own criteria)")
 
 
-class WeightFirstLinear(torch.nn.Module):
-    """Stands in for plain linear layer ``linear`` for a call (`weight_first_layers`): ``(W xᵀ)ᵀ`` instead of
-    ``x Wᵀ``, the output a transposed view. Reads ``linear``'s weight and bias at each forward (not its own
-    parameters: the module tree's parameters stay where they are). A compiled step guards on the layers' types and
-    weights, not on these objects: a new stand-in each call compiles nothing new."""
+def _weight_first_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's output as ``(W xᵀ)ᵀ`` (+ bias): the products of ``x Wᵀ`` in one matmul, the other way round,
+    the output a transposed view."""
+    y = torch.mm(self.weight, x.reshape(-1, self.in_features).T).T
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.out_features)
 
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.of = (linear,)  # a tuple, not a child module
-        self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self.of[0]
-        y = torch.mm(linear.weight, x.reshape(-1, self.in_features).T).T
-        if linear.bias is not None:
-            y = y + linear.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+class WeightFirstLinear(torch.nn.Linear):
+    """A plain ``nn.Linear`` for a call (`weight_first_layers`): its forward computes ``(W xᵀ)ᵀ``."""
+
+    forward = _weight_first_forward
+
+
+@functools.cache
+def weight_first_class(cls: type) -> type:
+    """``cls``, a linear layer class computing with ``nn.Linear``'s forward, with the weight-first forward."""
+    if cls is torch.nn.Linear:
+        return WeightFirstLinear
+    return type(f"WeightFirst{cls.__name__}", (cls,), {"forward": _weight_first_forward, "__module__": __name__})
 
 
 @contextlib.contextmanager
 def weight_first_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
-    """On a CPU with more than one thread, each plain linear layer of ``model`` (not an FSDP unit itself) whose shape
-    multiplies faster as ``(W xᵀ)ᵀ`` at ``rows`` rows (`weight_first_is_faster`) replaced by its `WeightFirstLinear`
-    for the block; yields how many. The layers are back at exit. Elsewhere nothing changes."""
-    if _device_of(model).type != "cpu" or torch.get_num_threads() < 2 or on_xla():
+    """On a CPU with more than one thread and at 2 rows or more, each plain linear layer of ``model`` whose shape
+    multiplies faster as ``(W xᵀ)ᵀ`` at ``rows`` rows (`weight_first_is_faster`) computes so for the block; yields how
+    many. The layer's class is swapped for its `weight_first_class` and back at exit: the module stays where it is,
+    with its parameters, hooks and type checks (a LoRA layer's unmerged base and adapter, a wrapper reading
+    ``.weight``). Not a layer with a forward of its own or an instance-level one, an FSDP unit, or a weight not whole
+    on the CPU (a DTensor, the meta device). Elsewhere nothing changes; the count is said once per rows and count."""
+    if _device_of(model).type != "cpu" or torch.get_num_threads() < 2 or rows < 2 or on_xla():
         yield 0
         return
-    swapped = []
+    swapped: list[tuple[torch.nn.Module, type]] = []
     try:
-        for parent, name, layer in child_slots(model):
-            if type(layer).forward is not torch.nn.Linear.forward or isinstance(layer, FSDPModule):
+        for layer in model.modules():
+            if not _plain_linear(layer) or not weight_first_is_faster(layer.weight.detach(), rows):
                 continue
-            if not weight_first_is_faster(layer.weight.detach(), rows):
-                continue
-            parent.register_module(name, WeightFirstLinear(layer))
-            swapped.append((parent, name, layer))
+            swapped.append((layer, type(layer)))
+            layer.__class__ = weight_first_class(type(layer))
+        if swapped:
+            _say_once(f"compiled decode step: {len(swapped)} linear layers multiply weight first at {rows} rows")
         yield len(swapped)
     finally:
-        put_back(swapped)
+        for layer, cls in reversed(swapped):
+            layer.__class__ = cls
+
+
+def _plain_linear(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` computes with ``nn.Linear``'s own forward over a plain CPU weight, nothing else in the way."""
+    if type(layer).forward is not torch.nn.Linear.forward or "forward" in vars(layer) or isinstance(layer, FSDPModule):
+        return False
+    weight = getattr(layer, "weight", None)
+    return isinstance(weight, torch.Tensor) and not isinstance(weight, DTensor) and weight.device.type == "cpu"
 
 
 def weight_first_is_faster(weight: torch.Tensor, rows: int) -> bool:
@@ -223,17 +241,6 @@ def _best_seconds(call, repeats: int = 5) -> float:
         call()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def child_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """Every ``(parent, name, child)`` in ``model``, listed before any is swapped (the swaps leave the list as is)."""
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-
-
-def put_back(swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
-    """Each ``(parent, name, child)`` slot given its original child again, the last swapped first."""
-    for parent, name, child in reversed(swapped):
-        parent.register_module(name, child)
 
 
 def _device_of(model) -> torch.device:

@@ -39,7 +39,7 @@ from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.model.compiled import eager_layers, four_bit_weight
 from fsdp_peft.parallel.fsdp_layout import is_sharded
-from fsdp_peft.tools.decoding import child_slots, compiles_here, decoding_for_call, put_back, say_graphs_compiled
+from fsdp_peft.tools.decoding import compiles_here, decoding_for_call, say_graphs_compiled
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     shared = _shared_parameters(model)
     merged, replaced, unwrapped, used = [], [], [], 0
     try:
-        for parent, name, layer in child_slots(model):
+        for parent, name, layer in _child_slots(model):
             if not isinstance(layer, LoraLayer) or (adapter := _plain_adapter(layer)) is None:
                 continue
             weight = layer.get_base_layer().weight
@@ -205,7 +205,7 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
                 unwrapped.append((parent, name, layer))
         yield len(merged)
     finally:
-        put_back(unwrapped)
+        _put_back(unwrapped)
         for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
             layer.merged_adapters.clear()
         for weight, original in reversed(replaced):
@@ -247,7 +247,7 @@ def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list 
     dtype = model.get_input_embeddings().weight.dtype
     swapped, used = [], 0
     try:
-        for parent, name, layer in child_slots(model):
+        for parent, name, layer in _child_slots(model):
             if not isinstance(layer, bitsandbytes.nn.Linear4bit) or (fsdp2 and id(layer) not in owned):
                 continue
             states = [getattr(layer, "quant_state", None), getattr(layer.weight, "quant_state", None)]
@@ -261,7 +261,18 @@ def four_bit_dequantized(model: torch.nn.Module, budget: int | None, kept: list 
             used += size
         yield used
     finally:
-        put_back(swapped)
+        _put_back(swapped)
+
+
+def _child_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Every ``(parent, name, child)`` in ``model``, listed before any is swapped (the swaps leave the list as is)."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+
+
+def _put_back(swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
+    """Each ``(parent, name, child)`` slot given its original child again, the last swapped first."""
+    for parent, name, child in reversed(swapped):
+        parent.register_module(name, child)
 
 
 def _repacked(state) -> bool:

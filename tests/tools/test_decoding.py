@@ -5,6 +5,7 @@ and tests/model/test_vision.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_generation import lora_model
 
@@ -86,20 +87,23 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
         assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) < len(layers)
 
 
-def test_a_weight_first_linear_computes_the_layers_product():
+def test_a_layer_computing_weight_first_gives_the_layers_product():
     """``(W xᵀ)ᵀ + b`` against the definition ``x Wᵀ + b`` in float64: a decode step's rows, a prefill's 3-D input,
-    with and without a bias; the stand-in has no parameters of its own."""
-    from fsdp_peft.tools.decoding import WeightFirstLinear
+    with and without a bias, for ``nn.Linear`` and a subclass (its own weight-first class, still an instance of it)."""
+    from fsdp_peft.tools.decoding import WeightFirstLinear, weight_first_class
+    from fsdp_peft.tools.generation import DequantizedLinear
 
     torch.manual_seed(0)
-    for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False)):
-        stand_in = WeightFirstLinear(layer)
-        assert list(stand_in.parameters()) == []
+    assert weight_first_class(torch.nn.Linear) is WeightFirstLinear
+    assert issubclass(weight_first_class(DequantizedLinear), DequantizedLinear)
+    for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False), DequantizedLinear(48, 80)):
+        original = type(layer)
+        layer.__class__ = weight_first_class(original)
         for x in (torch.randn(5, 48), torch.randn(2, 7, 48), torch.randn(3, 1, 48)):
             expected = x.double() @ layer.weight.double().T
             expected = expected if layer.bias is None else expected + layer.bias.double()
             with torch.no_grad():
-                got = stand_in(x)
+                got = layer(x)
             assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
 
 
@@ -118,53 +122,72 @@ def test_each_layer_shape_is_timed_both_ways_once_and_swapped_past_the_margin(mo
     assert decoding.ORIENTATION_MARGIN == 1.1
 
 
-def test_linear_layers_stand_in_weight_first_for_a_compiled_cpu_call_and_draw_the_eager_tokens(
-    tiny_model_dir, monkeypatch
+def _types_while_generating(model) -> dict[str, set[str]]:
+    """The class names each linear layer of ``model`` computed as, in the forwards from now on (forward hooks: they
+    run in the eager prompt forward; the layers keep their hooks while weight first)."""
+    seen: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(
+                lambda m, _i, _o, name=name: seen.setdefault(name, set()).add(type(m).__name__)
+            )
+    return seen
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the_eager_tokens(
+    tiny_model_dir, monkeypatch, merged
 ):
-    """With 2 threads, every plain linear layer found faster weight first (all of them here: the check forced; the
-    LoRA layers' own bases and adapters included, the LoRA layers themselves not) stands in for the block and is back
-    after it; with one thread none does. Greedy generation with every layer swapped compiled: the eager path's
-    tokens, and a second call compiles no new graph (a new stand-in each call)."""
-    from transformers import AutoTokenizer
+    """With 2 threads, every plain linear layer found faster weight first (all of them here: the check forced) computes
+    so for the call: the merged bases and the output layer, or, unmerged, each LoRA layer's base and adapter layers
+    too and the trained copy of a ``modules_to_save`` layer; the same modules in the same places, their hooks kept, and
+    their classes back after. Greedy generation compiled: the eager path's tokens, and a second call compiles no new
+    graph. With one thread, or one row, nothing changes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_peft.tools import decoding
     from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
-    model = lora_model(tiny_model_dir)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(base, config)
     before = dict(model.named_modules())
     plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
-    assert any(name.endswith("lm_head") for name in plain) and any(".lora_A." in name for name in plain)
+    assert any(".lora_A." in name for name in plain) and any("lm_head.modules_to_save" in name for name in plain)
     monkeypatch.setattr(decoding, "weight_first_is_faster", lambda weight, rows: True)
-    made = []
-
-    class Counted(decoding.WeightFirstLinear):
-        def __init__(self, linear):
-            super().__init__(linear)
-            made.append(self)
-
-    monkeypatch.setattr(decoding, "WeightFirstLinear", Counted)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         with decoding.weight_first_layers(model, 3) as swapped:
-            during = dict(model.named_modules())
-            assert swapped == len(plain) == len(made)
-            assert all(type(during[name]) is Counted for name in plain)
-            assert all(during[name].of[0] is before[name] for name in plain)
-        assert dict(model.named_modules()) == before
+            assert swapped == len(plain) and dict(model.named_modules()) == before
+            assert all(type(before[name]) is decoding.WeightFirstLinear for name in plain)
+        assert all(type(before[name]) is torch.nn.Linear for name in plain)
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         prompts = ["hello there", "a b c", "the cat sat"]
-        eager = generate_completions(model, tokenizer, prompts, GenerationSettings(12, 2, compiled="false"), "cpu")
-        compiled = GenerationSettings(12, 2, compiled="true")
-        made.clear()
+        settings = {"max_new_tokens": 12, "batch_size": 3, "merged_adapter": merged}
+        eager = generate_completions(model, tokenizer, prompts, GenerationSettings(**settings), "cpu")
+        seen = _types_while_generating(model)
+        compiled = GenerationSettings(**settings, compiled="true")
         assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
-        merged = {name for name in plain if ".lora_" not in name}  # merged: the bases alone, no adapter layers
-        assert len(made) == 2 * len(merged)  # two calls: 2 prompts, then 1 (batch size 2); eager made none
+        weight_first = {name for name, types in seen.items() if types == {"WeightFirstLinear"}}
+        called = {name for name in plain if not name.endswith("lm_head.original_module")}  # the trained copy computes
+        lora_parts = {name for name in plain if ".lora_" in name}
+        assert weight_first == (called - lora_parts if merged else called), seen  # merged: no adapter layer called
         graphs = decoding.graphs_compiled()
         assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
-        assert decoding.graphs_compiled() == graphs > 0
-        torch.set_num_threads(1)
-        with decoding.weight_first_layers(model, 3) as swapped:
-            assert swapped == 0 and dict(model.named_modules()) == before
+        assert decoding.graphs_compiled() == graphs > 0 and dict(model.named_modules()) == before
+        assert all(type(before[name]) is torch.nn.Linear for name in plain)
+        for threads_now, rows in ((1, 3), (2, 1)):
+            torch.set_num_threads(threads_now)
+            with decoding.weight_first_layers(model, rows) as swapped:
+                assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
     finally:
         torch.set_num_threads(threads)
