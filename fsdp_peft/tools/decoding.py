@@ -15,9 +15,9 @@ their bitsandbytes forward breaks the graph in every layer); a model transformer
 a CPU without the C++ compiler inductor needs; ``generate_compiled: false``; CPUs under ``auto``) the eager decode
 runs and one line says why, once per process and reason.
 
-On a CPU with more than one thread, each plain linear layer of the compiled call may compute ``(W xᵀ)ᵀ`` in place of
-``x Wᵀ`` (`weight_first_layers`): the same products in one matmul, which MKL spreads over the threads better at a
-decode step's few rows (measured on 2 cores at 16 rows: 1.25x the layers of SmolLM2, 1.8x its output layer). Each
+On a CPU with more than one thread, each plain linear layer of the compiled decode step may compute ``(W xᵀ)ᵀ`` in
+place of ``x Wᵀ`` (`weight_first_layers`): the same products in one matmul, which MKL spreads over the threads better
+at a decode step's few rows (measured on 2 cores at 16 rows: 1.25x the layers of SmolLM2, 1.8x its output layer). Each
 layer shape is timed both ways once per process and number of rows (`weight_first_is_faster`), and computes so only
 where that orientation wins by `ORIENTATION_MARGIN`: a timed choice, so two processes may differ in it, and in the
 rounding of their products. GPUs, one-thread CPUs and one-row calls keep the layers as they are.
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from fsdp_peft.core._compat.torch_patches import fsdp2_forward_hooks_detached
 from fsdp_peft.core.log import logger
@@ -64,8 +63,8 @@ class Decoding:
         """The block ``generate`` runs in: compiled, with the forward hooks of FSDP2 ``units`` (all kept gathered by
         the caller) set aside, so the decode step is one graph instead of one per unit; a bitsandbytes 4-bit
         model's quantizer out of transformers' sight (it refuses to compile bitsandbytes' layers, all of them
-        dequantized for the call here: `eager_because` found none left); on a CPU, linear layers faster as
-        `WeightFirstLinear` at the call's rows in its place (`weight_first_layers`)."""
+        dequantized for the call here: `eager_because` found none left); on a CPU, the linear layers faster weight
+        first at the call's rows computing so in the compiled step (`weight_first_layers`)."""
         if not self.kwargs:
             yield
             return
@@ -164,17 +163,26 @@ def say_graphs_compiled() -> None:
         _say_once("generation decodes eagerly: transformers compiled no decode step (its own criteria)")
 
 
+def weight_first_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x Wᵀ`` (+ bias) as ``(W xᵀ)ᵀ``: the same products in one matmul, the other way round, the output a
+    transposed view."""
+    out_features, in_features = weight.shape
+    y = torch.mm(weight, x.reshape(-1, in_features).T).T
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 def _weight_first_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer's output as ``(W xᵀ)ᵀ`` (+ bias): the products of ``x Wᵀ`` in one matmul, the other way round,
-    the output a transposed view."""
-    y = torch.mm(self.weight, x.reshape(-1, self.in_features).T).T
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.out_features)
+    """A weight-first layer's forward: `weight_first_product` in the compiled decode step (the rows it was timed
+    at); ``nn.Linear``'s own in an eager forward of the call (the prompt's, a vision tower's: other rows, untimed)."""
+    if not torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return weight_first_product(x, self.weight, self.bias)
 
 
 class WeightFirstLinear(torch.nn.Linear):
-    """A plain ``nn.Linear`` for a call (`weight_first_layers`): its forward computes ``(W xᵀ)ᵀ``."""
+    """A plain ``nn.Linear`` for a call (`weight_first_layers`): its compiled forward computes ``(W xᵀ)ᵀ``."""
 
     forward = _weight_first_forward
 
@@ -192,9 +200,11 @@ def weight_first_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
     """On a CPU with more than one thread and at 2 rows or more, each plain linear layer of ``model`` whose shape
     multiplies faster as ``(W xᵀ)ᵀ`` at ``rows`` rows (`weight_first_is_faster`) computes so for the block; yields how
     many. The layer's class is swapped for its `weight_first_class` and back at exit: the module stays where it is,
-    with its parameters, hooks and type checks (a LoRA layer's unmerged base and adapter, a wrapper reading
-    ``.weight``). Not a layer with a forward of its own or an instance-level one, an FSDP unit, or a weight not whole
-    on the CPU (a DTensor, the meta device). Elsewhere nothing changes; the count is said once per rows and count."""
+    with its parameters, hooks and ``isinstance`` checks (a LoRA layer's unmerged base and adapter, a wrapper
+    reading ``.weight``); only the compiled step computes weight first, the call's eager forwards as before. Not a
+    layer with a forward of its own or an instance-level one, an FSDP unit, or a weight other than a plain tensor on
+    the CPU (a DTensor, a quantized or uninitialized one, the meta device). A class changed during the block (by
+    something else) is left as it is. Elsewhere nothing changes; the count is said once per rows and count."""
     if _device_of(model).type != "cpu" or torch.get_num_threads() < 2 or rows < 2 or on_xla():
         yield 0
         return
@@ -210,7 +220,8 @@ def weight_first_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
         yield len(swapped)
     finally:
         for layer, cls in reversed(swapped):
-            layer.__class__ = cls
+            if type(layer) is weight_first_class(cls):
+                layer.__class__ = cls
 
 
 def _plain_linear(layer: torch.nn.Module) -> bool:
@@ -218,7 +229,7 @@ def _plain_linear(layer: torch.nn.Module) -> bool:
     if type(layer).forward is not torch.nn.Linear.forward or "forward" in vars(layer) or isinstance(layer, FSDPModule):
         return False
     weight = getattr(layer, "weight", None)
-    return isinstance(weight, torch.Tensor) and not isinstance(weight, DTensor) and weight.device.type == "cpu"
+    return type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.device.type == "cpu"
 
 
 def weight_first_is_faster(weight: torch.Tensor, rows: int) -> bool:

@@ -87,24 +87,57 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
         assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) < len(layers)
 
 
-def test_a_layer_computing_weight_first_gives_the_layers_product():
-    """``(W xᵀ)ᵀ + b`` against the definition ``x Wᵀ + b`` in float64: a decode step's rows, a prefill's 3-D input,
-    with and without a bias, for ``nn.Linear`` and a subclass (its own weight-first class, still an instance of it)."""
-    from fsdp_peft.tools.decoding import WeightFirstLinear, weight_first_class
+def test_the_weight_first_product_is_the_layers_and_an_eager_forward_is_the_layers_own():
+    """``(W xᵀ)ᵀ + b`` against the definition ``x Wᵀ + b`` in float64 (a decode step's rows, a prefill's 3-D input,
+    with and without a bias), its output the transposed view of ``W xᵀ``; a layer of a weight-first class outside a
+    compiled step computes ``nn.Linear``'s own forward, bit for bit, and is still an instance of its class."""
+    from fsdp_peft.tools.decoding import WeightFirstLinear, weight_first_class, weight_first_product
     from fsdp_peft.tools.generation import DequantizedLinear
 
     torch.manual_seed(0)
     assert weight_first_class(torch.nn.Linear) is WeightFirstLinear
     assert issubclass(weight_first_class(DequantizedLinear), DequantizedLinear)
     for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False), DequantizedLinear(48, 80)):
-        original = type(layer)
-        layer.__class__ = weight_first_class(original)
         for x in (torch.randn(5, 48), torch.randn(2, 7, 48), torch.randn(3, 1, 48)):
             expected = x.double() @ layer.weight.double().T
             expected = expected if layer.bias is None else expected + layer.bias.double()
             with torch.no_grad():
-                got = layer(x)
+                got = weight_first_product(x, layer.weight, layer.bias)
+                own = layer(x)
+                original = type(layer)
+                layer.__class__ = weight_first_class(original)
+                assert torch.equal(layer(x), own) and isinstance(layer, original)
+                layer.__class__ = original
             assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
+            if layer.bias is None and x.dim() == 2:
+                assert got.stride() == (1, x.shape[0])  # W xᵀ, read transposed
+
+
+def test_only_plain_linear_layers_over_plain_cpu_weights_are_swapped_and_all_come_back(monkeypatch):
+    """Not a layer with an instance-level forward (an accelerate hook's), an uninitialized (lazy) or meta weight, or
+    a weight of a tensor subclass; the classes back after an error in the block, a class changed meanwhile left."""
+    from fsdp_peft.tools import decoding
+
+    monkeypatch.setattr(decoding, "weight_first_is_faster", lambda weight, rows: True)
+    hooked, meta, plain, other = (torch.nn.Linear(8, 8) for _ in range(4))
+    hooked.forward = lambda x: x
+    meta.to("meta")
+    lazy = torch.nn.LazyLinear(8)
+    model = torch.nn.Sequential(hooked, meta, lazy, plain, other)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        try:
+            with decoding.weight_first_layers(model, 4) as swapped:
+                assert swapped == 2 and type(plain) is type(other) is decoding.WeightFirstLinear
+                assert type(hooked) is type(meta) is torch.nn.Linear and type(lazy) is torch.nn.LazyLinear
+                other.__class__ = torch.nn.Identity  # changed during the block by something else: left so
+                raise RuntimeError("inside the block")
+        except RuntimeError:
+            pass
+        assert type(plain) is torch.nn.Linear and type(other) is torch.nn.Identity
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_each_layer_shape_is_timed_both_ways_once_and_swapped_past_the_margin(monkeypatch):
@@ -123,8 +156,8 @@ def test_each_layer_shape_is_timed_both_ways_once_and_swapped_past_the_margin(mo
 
 
 def _types_while_generating(model) -> dict[str, set[str]]:
-    """The class names each linear layer of ``model`` computed as, in the forwards from now on (forward hooks: they
-    run in the eager prompt forward; the layers keep their hooks while weight first)."""
+    """The class names each linear layer of ``model`` was of in the forwards from now on (forward hooks: they run in
+    the eager prompt forward; the layers keep their hooks while of a weight-first class)."""
     seen: dict[str, set[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
@@ -138,11 +171,12 @@ def _types_while_generating(model) -> dict[str, set[str]]:
 def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the_eager_tokens(
     tiny_model_dir, monkeypatch, merged
 ):
-    """With 2 threads, every plain linear layer found faster weight first (all of them here: the check forced) computes
-    so for the call: the merged bases and the output layer, or, unmerged, each LoRA layer's base and adapter layers
-    too and the trained copy of a ``modules_to_save`` layer; the same modules in the same places, their hooks kept, and
-    their classes back after. Greedy generation compiled: the eager path's tokens, and a second call compiles no new
-    graph. With one thread, or one row, nothing changes."""
+    """With 2 threads, every plain linear layer found faster weight first (all of them here: the check forced) is of a
+    weight-first class for the call, and the compiled step computes weight first: the merged bases and the output
+    layer, or, unmerged, each LoRA layer's base and adapter layers too and the trained copy of a ``modules_to_save``
+    layer; the same modules in the same places, their hooks kept, and their classes back after. Greedy generation
+    compiled: the eager path's tokens, and a second call compiles no new graph. With one thread, or one row, nothing
+    changes."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,6 +197,10 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
     plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
     assert any(".lora_A." in name for name in plain) and any("lm_head.modules_to_save" in name for name in plain)
     monkeypatch.setattr(decoding, "weight_first_is_faster", lambda weight, rows: True)
+    torch._dynamo.reset()  # a fresh budget of recompiles: past dynamo's limit a frame runs eagerly, compiling none
+    products = []  # the weight-first products the compiled step traced (and ran)
+    product = decoding.weight_first_product
+    monkeypatch.setattr(decoding, "weight_first_product", lambda *a: products.append(a[1].shape) or product(*a))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -181,6 +219,7 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
         called = {name for name in plain if not name.endswith("lm_head.original_module")}  # the trained copy computes
         lora_parts = {name for name in plain if ".lora_" in name}
         assert weight_first == (called - lora_parts if merged else called), seen  # merged: no adapter layer called
+        assert products and decoding.graphs_compiled() > 0  # the compiled step computed weight first
         graphs = decoding.graphs_compiled()
         assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
         assert decoding.graphs_compiled() == graphs > 0 and dict(model.named_modules()) == before
