@@ -34,6 +34,14 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 PEAK_MEMORY_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12, "L40S": 0.864e12, "A10G": 0.6e12}
 
 
+def peak_memory_bandwidth() -> float | None:
+    """This GPU's data-sheet memory bandwidth in bytes/s (`PEAK_MEMORY_BANDWIDTH`), or None (another GPU, none)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in PEAK_MEMORY_BANDWIDTH.items() if k in name), None)
+
+
 LORA = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
 
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_checks.common import PEAK_MEMORY_BANDWIDTH, REPO, last_line, scratch_directory
+from gpu_checks.common import REPO, last_line, peak_memory_bandwidth, scratch_directory
 
 GENERATE_SIZES = {  # model shape: prompts of each call, new tokens a prompt, timed calls after the first
     "8b": {"prompts": (1, 32), "new_tokens": 128, "timed_calls": 2},
@@ -52,11 +52,8 @@ def generate_run(entry: dict, model: str, mode: str, prompts: int, left: float) 
 def generation_bound(model: Path, prompts: int, timing: dict) -> dict:
     """The weight bytes a token step reads (`weight_bytes_per_token_step`) and the tokens/s that bounds at
     ``prompts`` prompts on this GPU's bandwidth, with the share ``timing`` reached (none without a GPU)."""
-    import torch
-
     weights = weight_bytes_per_token_step(model)
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    bandwidth = next((v for k, v in PEAK_MEMORY_BANDWIDTH.items() if k in name), None)
+    bandwidth = peak_memory_bandwidth()
     bound = prompts * bandwidth / weights if bandwidth else None
     return {
         "weight_bytes_per_token_step": weights,

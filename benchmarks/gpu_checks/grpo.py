@@ -28,9 +28,9 @@ from pathlib import Path
 
 from gpu_checks.common import (
     LORA,
-    PEAK_MEMORY_BANDWIDTH,
     RECIPE_LAUNCH,
     last_line,
+    peak_memory_bandwidth,
     peaks,
     planned,
     recipe_training,
@@ -108,11 +108,8 @@ def rollout_bound(figures: dict, components: dict, completion_tokens: int) -> di
     """The memory-bandwidth bound of the rollouts: each token step reads every weight once (the base, 4-bit with its
     constants for QLoRA, and the adapter, from the plan's counts) and makes a token for each completion in the call;
     on a GPU of `PEAK_MEMORY_BANDWIDTH`, else none."""
-    import torch
-
     weights = sum(components[key] for key in BOUND_WEIGHTS)
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    bandwidth = next((v for k, v in PEAK_MEMORY_BANDWIDTH.items() if k in name), None)
+    bandwidth = peak_memory_bandwidth()
     rows = figures["rollout_tokens_per_call"] / completion_tokens  # completions decoded together
     bound = rows * bandwidth / weights if bandwidth else None
     return {
