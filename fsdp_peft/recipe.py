@@ -45,7 +45,7 @@ from fsdp_peft.settings.config import (
     unset_training_values,
 )
 from fsdp_peft.settings.fsdp_settings import trainer_fsdp_arguments
-from fsdp_peft.tools.plan import run_checkpointing
+from fsdp_peft.tools.plan import launch_plan, rollouts_as_planned, run_checkpointing
 from fsdp_peft.tools.runs import die_with_the_launcher, release_output_dir, start_run
 
 
@@ -67,9 +67,11 @@ def run_recipe(
 
 def _run(name: str, default_config: Path, argv: list[str], procedure: Procedure) -> dict | None:
     started = time.monotonic()
-    recipe, training, checkpointing = parse_run_config(argv, default_config, f"outputs/{name}", procedure)
+    recipe, training, checkpointing, rollouts = parse_run_config(argv, default_config, f"outputs/{name}", procedure)
     configure_for_training(training)
     logger.info(checkpointing.line())
+    if rollouts:
+        logger.info(rollouts)
     run, checkpoint, tokenizer = start_training(recipe, training)
     setup = Setup(recipe, training, tokenizer, procedure.load_data(recipe, tokenizer, training), checkpoint=checkpoint)
     setup.model = build_model(recipe, training, tokenizer)  # after the data: a bad row stops the run before weights
@@ -102,22 +104,26 @@ def parse_recipe_config(
     argv: list[str], default_config: Path, default_output_dir: str, procedure: Procedure = SFT_PROCEDURE
 ) -> tuple[RecipeArguments, TrainingArguments]:
     """`parse_run_config` without the activation checkpointing choice."""
-    recipe_args, training_args, _ = parse_run_config(argv, default_config, default_output_dir, procedure)
+    recipe_args, training_args, _, _ = parse_run_config(argv, default_config, default_output_dir, procedure)
     return recipe_args, training_args
 
 
 def parse_run_config(
     argv: list[str], default_config: Path, default_output_dir: str, procedure: Procedure = SFT_PROCEDURE
-) -> tuple[RecipeArguments, TrainingArguments, CheckpointingChoice]:
+) -> tuple[RecipeArguments, TrainingArguments, CheckpointingChoice, str | None]:
     """Resolve defaults, YAML and command-line overrides into the recipe and training arguments (the class
     ``procedure.arguments`` picks: TRL's configs for its trainers), checked by the rules of ``procedure`` (the other
     procedures' keys refused);
-    ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.tools.plan.run_checkpointing`)."""
+    ``activation_checkpointing: auto`` becomes the plan's choice (`fsdp_peft.tools.plan.run_checkpointing`), as does
+    whether a QLoRA run's rollouts dequantize its 4-bit layers under ``generate_compiled: auto`` on a GPU
+    (`fsdp_peft.tools.plan.rollouts_as_planned`: the line saying so is last, None where there was nothing to choose)."""
     recipe_args, training_values, options = resolve_recipe_config(argv, default_config, default_output_dir)
     recipe_args = procedure.with_defaults(recipe_args)
     check_config(recipe_args, training_values, procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
-    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure, options.config)
+    plan = launch_plan(recipe_args, training_values, procedure, options.config)
+    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure, options.config, plan)
+    recipe_args, rollouts = rollouts_as_planned(recipe_args, plan)
     training_values = {**training_values, **chosen, **kernel_training_values(recipe_args)}
     arguments_class, extra = procedure.arguments(recipe_args)
     unset = unset_training_values()  # the procedure's defaults where the config sets none; not in training_values,
@@ -129,7 +135,7 @@ def parse_run_config(
         if ranks().is_main:
             print(resolved_config_yaml(recipe_args, training_values, options.config), end="")
         sys.exit(0)
-    return recipe_args, training_args, checkpointing
+    return recipe_args, training_args, checkpointing, rollouts
 
 
 def start_training(recipe: RecipeArguments, training: TrainingArguments):

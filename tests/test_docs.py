@@ -661,6 +661,8 @@ DOCUMENTED_OUTPUT = {
     "--accelerate-config configs/accelerate/fsdp2.yaml": [
         line.rstrip() for line in documented_output("docs/memory.md", "Here is the output") if "..." not in line
     ],
+    "fsdp-peft plan configs/qwen_grpo/qwen2_5_7b_gsm8k_qlora.yaml --accelerate-config configs/accelerate/fsdp2.yaml "
+    "--gpus 2 --gpu-memory 24GB": documented_output("docs/memory.md", "prints, among its rows and notes:"),
 }
 
 

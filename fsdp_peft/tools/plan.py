@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,6 +91,7 @@ class ModelCounts:
     largest_other_unit_gathered_bytes: int = 0  # embeddings or head
     largest_linear_numel: int = 0
     linear_weight_bytes: int = 0  # this rank's shard of the decoder-layer linear weights, unquantized
+    quantized_linear_parameters: int = 0  # QLoRA: elements of the 4-bit linear weights in the full model
     expert_bytes: int = 0  # a mixture of experts: this rank's shard of the expert weights (4-bit rows for QLoRA)
     largest_expert_numel: int = 0  # one expert parameter of one layer, all experts ([experts, out, in])
     expert_parameters: int = 0  # elements of every expert weight in the full model
@@ -124,6 +125,8 @@ class MemoryPlan:
     checkpointable_layers: int = 0  # the decoder layers activation checkpointing chooses among
     checkpointing_choices: list[dict] = field(default_factory=list)  # under auto: each candidate and its peak
     checkpointing_reason: str = ""  # why these layers: the config, or the plan's choice under auto
+    rollouts_dequantized: bool | None = None  # QLoRA rollouts: 4-bit layers dequantized for each call (None: no such)
+    rollouts_reason: str = ""  # why: generate_compiled, or the plan's choice under auto
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -286,6 +289,7 @@ def count_model(
             counts.adapter_bytes += shard_numel(tuple(parameter.shape), world_size) * adapter_bytes
         elif id(parameter) in quantized:
             counts.base_parameters += parameter.numel()
+            counts.quantized_linear_parameters += parameter.numel()
             shape = packed_4bit_shape(parameter.numel(), storage_bytes)
             counts.base_bytes += shard_numel(shape, world_size) * storage_bytes
             counts.quantization_constant_bytes += estimated_quantization_constant_bytes(parameter.numel(), four_bit)
@@ -447,6 +451,7 @@ def loss_logits_bytes(model_config, chunk_tokens: int, tokens: int, compute_byte
 
 
 ROLLOUT_ROW = "rollouts, transient (est.)"
+DEQUANTIZED_ROW = "4-bit dequantized for rollouts (est.)"
 
 
 def kv_cache_bytes_per_token(model_config, compute_bytes: int) -> int:
@@ -647,6 +652,10 @@ def plan_recipe(
     )
     if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.tools.generation.parameters_gathered)
         plan.gpu[ROLLOUT_ROW] = rollout_cache + counts.base_bytes * (shard_over - 1)
+    dequantized = 0
+    if rollout_cache and xla is None and recipe.generate_compiled != "false":  # the compiled step's 16-bit copies
+        dequantized = counts.quantized_linear_parameters * compute_bytes  # (generation.four_bit_dequantized)
+        plan.gpu[DEQUANTIZED_ROW] = dequantized
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
@@ -668,16 +677,19 @@ def plan_recipe(
             f"4-bit experts: ordinary loading puts every expert on each GPU in {recipe.torch_dtype} ({gib(loaded)}) "
             "before quantizing them; fsdp_cpu_ram_efficient_loading: true quantizes them tensor by tensor on rank 0"
         )
-    least = plan.checkpointing
-    if choose:
-        vision = is_vision_config(model_config)  # the vision blocks checkpoint as layers too: all or none there
+    vision = is_vision_config(model_config)  # the vision blocks checkpoint as layers too: all or none there
 
-        def activations(checkpointing: Checkpointing) -> int:
-            return activation_bytes(
-                model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks
-            )
+    def activations(checkpointing: Checkpointing) -> int:
+        return activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks)
 
-        least = choose_checkpointing(plan, activations, offload_possible, vision)
+    def choose_layers() -> Checkpointing:
+        return choose_checkpointing(plan, activations, offload_possible, vision)
+
+    least = choose_layers() if choose else plan.checkpointing
+    if dequantized:
+        plan.rollouts_dequantized, plan.rollouts_reason = True, f"generate_compiled: {recipe.generate_compiled}"
+        if recipe.generate_compiled == AUTO:
+            least = choose_rollouts(plan, dequantized, choose_layers if choose else None) or least
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
     if procedure.planned_rows is None and xla is None:
         plan.longest_sequence = longest_sequence(
@@ -711,6 +723,35 @@ def choose_checkpointing(plan: MemoryPlan, activations, offload_possible: bool, 
         else f"auto: no choice is within {within}; the least memory of them ({gib(peak)})"
     )
     return options[-1]
+
+
+def choose_rollouts(plan: MemoryPlan, copies: int, choose_layers) -> Checkpointing | None:
+    """QLoRA rollouts under ``generate_compiled: auto``: the 4-bit layers dequantized for each generate call (their
+    ``copies`` bytes planned: the compiled decode step needs them) where the planned peak with them is within
+    ``1 - MARGIN`` of the GPU, checkpointing chosen with them under ``activation_checkpointing: auto``
+    (``choose_layers`` given); else the copies' row dropped, the layers kept 4-bit (an eager decode step) and
+    checkpointing chosen again without it. Rollouts come first: generation takes most of a GRPO step's time. Sets the
+    plan's choice and why; returns the least memory of the checkpointing choices where it chose them again."""
+    limit = int(plan.gpu_memory_bytes * (1 - MARGIN))
+    within = f"{1 - MARGIN:.0%} of {budget(plan.gpu_memory_bytes)}"
+    peak = plan.gpu_peak
+    if peak <= limit:
+        plan.rollouts_reason = f"auto: the planned peak with their copies, {gib(peak)}, is within {within}"
+        return None
+    del plan.gpu[DEQUANTIZED_ROW]
+    plan.rollouts_dequantized = False
+    plan.rollouts_reason = (
+        f"auto: with their dequantized copies ({gib(copies)}) the planned peak, {gib(peak)}, is over {within}"
+    )
+    return choose_layers() if choose_layers is not None else None
+
+
+def rollouts_line(plan: MemoryPlan) -> str | None:
+    """What the plan's QLoRA rollouts compute with, and why; None for a plan without them."""
+    if plan.rollouts_dequantized is None:
+        return None
+    how = "dequantized for each generate call" if plan.rollouts_dequantized else "kept (an eager decode step)"
+    return f"4-bit layers in rollouts: {how} ({plan.rollouts_reason})"
 
 
 def loading_bytes(whole: ModelCounts, counts: ModelCounts, recipe, ranks: int) -> int:
@@ -767,6 +808,9 @@ def suggestions(plan: MemoryPlan, model_config, recipe, resident: dict, full_mod
         found.append({"switch": "loss_chunk_tokens: 512 (chunked loss)", "saves": saved})
     if not plan.offload_params:
         found.append({"switch": "fsdp_offload_params: true (accelerate config)", "saves": sum(resident.values())})
+    if DEQUANTIZED_ROW in plan.gpu:  # the rollouts' dequantized copies (choose_rollouts)
+        switch = "generate_compiled: false (rollouts through the 4-bit layers, eagerly)"
+        found.append({"switch": switch, "saves": plan.gpu[DEQUANTIZED_ROW]})
     if not plan.load_in_4bit:  # 4 bits per value plus ~1.6% constants instead of torch_dtype
         bytes_per_value = DTYPE_BYTES[recipe.torch_dtype]
         saved = plan.counts.linear_weight_bytes * (1 - 0.5 * 1.016 / bytes_per_value)
@@ -845,6 +889,8 @@ def format_plan(plan: MemoryPlan) -> str:
             lines.append(f"  {choice['checkpointing']:<48} {gib(choice['peak']):>11}{mark}")
     if plan.checkpointing_reason:
         lines += [f"  activation checkpointing: {plan.checkpointing_reason}", ""]
+    if line := rollouts_line(plan):
+        lines += [f"  {line}", ""]
     lines += [f"  note: {note}" for note in plan.notes]
     lines.append("  (est.) rows are estimates; weights, gradients and optimizer rows are exact counts from the config")
     host_tips = [s for s in plan.suggestions if s.get("host")]
@@ -868,23 +914,46 @@ def device_memory(recipe) -> int | None:
     return torch.cuda.get_device_properties(distributed.ranks().local_rank).total_memory
 
 
-def run_checkpointing(recipe, training: dict, procedure, source) -> tuple[CheckpointingChoice, dict]:
-    """What a run checkpoints, and the training values that make transformers do it: the config's own setting, or
-    under ``auto`` the plan's choice on this launch's ranks and device (refused, before any weights, when not even
-    the least memory of the choices fits)."""
+def launch_plan(recipe, training: dict, procedure, source) -> MemoryPlan | None:
+    """The plan a run makes of itself before any weights, on this launch's ranks and device, where it has something
+    to choose (``activation_checkpointing: auto``; QLoRA rollouts under ``generate_compiled: auto`` on a GPU, where
+    auto compiles) and memory to plan within (`device_memory`); else None."""
+    memory = device_memory(recipe)
+    on_gpu = _on_gpu()  # offloading activations moves them off a GPU; on CPU they are there already
+    rollouts = on_gpu and recipe.load_in_4bit and recipe.generate_compiled == AUTO and bool(procedure.planned_rows)
+    if memory is None or (_asked(recipe, training)[0] != AUTO and not rollouts):
+        return None
+    return plan_recipe(recipe, training, procedure, str(source), None, memory, offload_possible=on_gpu)
+
+
+def _on_gpu() -> bool:
+    """Whether this process runs on a GPU (where ``generate_compiled: auto`` compiles and activations can be
+    offloaded)."""
+    return torch.cuda.is_available()
+
+
+def _asked(recipe, training: dict) -> tuple[Checkpointing | str, int]:
+    """What the config asks to checkpoint (`requested`), and the model's decoder layers."""
     layers = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code).get_text_config().num_hidden_layers
-    asked = requested(training, layers)
+    return requested(training, layers), layers
+
+
+def run_checkpointing(
+    recipe, training: dict, procedure, source, plan: MemoryPlan | None = None
+) -> tuple[CheckpointingChoice, dict]:
+    """What a run checkpoints, and the training values that make transformers do it: the config's own setting, or
+    under ``auto`` the plan's choice on this launch's ranks and device (``plan``: `launch_plan`'s, else made here;
+    refused, before any weights, when not even the least memory of the choices fits)."""
+    asked, layers = _asked(recipe, training)
     if asked != AUTO:
         return CheckpointingChoice(asked, layers, "as the config sets it"), {}
     # the Trainer's switch off: the recipe checkpoints the chosen layers
     # (fsdp_peft.settings.checkpointing.apply_checkpointing)
     off = {**{key: None for key in CHECKPOINTING_KEYS + KWARGS_KEYS}, "activation_checkpointing": False}
-    memory = device_memory(recipe)
-    if memory is None:
+    plan = plan if plan is not None else launch_plan(recipe, training, procedure, source)
+    if plan is None:
         reason = "auto: no GPU memory to plan within; set device_memory to plan one"
         return CheckpointingChoice(NONE, layers, reason), off
-    on_gpu = torch.cuda.is_available()  # offloading activations moves them off a GPU; on CPU they are there already
-    plan = plan_recipe(recipe, training, procedure, str(source), None, memory, offload_possible=on_gpu)
     if not plan.fits:
         raise ConfigError(
             f"{source}: {verdict(plan)} (activation_checkpointing: auto, with the least memory of its choices: "
@@ -893,3 +962,13 @@ def run_checkpointing(recipe, training: dict, procedure, source) -> tuple[Checkp
     wrapper = plan.checkpointing_reason.startswith(("fsdp_activation_checkpointing", "xla_fsdp_grad_ckpt"))
     kwargs = checkpoint_kwargs(training)
     return CheckpointingChoice(plan.checkpointing, layers, plan.checkpointing_reason, not wrapper, kwargs), off
+
+
+def rollouts_as_planned(recipe, plan: MemoryPlan | None):
+    """The recipe with ``generate_compiled: auto`` made ``false`` where ``plan`` (`launch_plan`'s) keeps a QLoRA
+    run's 4-bit layers for its rollouts (their dequantized copies do not fit: the decode step could not compile), and
+    the line that says what the plan chose (None: nothing chosen)."""
+    line = rollouts_line(plan) if plan is not None and recipe.generate_compiled == AUTO else None
+    if line is None or plan.rollouts_dequantized:
+        return recipe, line
+    return replace(recipe, generate_compiled="false"), line

@@ -10,6 +10,7 @@ generation are compared with TRL's own per-layer path, and a resumed run with th
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -350,3 +351,88 @@ def test_the_gsm8k_config_trains_two_steps_with_the_tiny_qwen_on_gsm8k_shaped_ro
     assert sorted(logged) == [1, 2] and "rewards/math_answer/mean" in logged[1]
     layout = read_json(out / "fsdp_layout.json")
     assert {p["dtype"] for p in layout["parameters"] if ".lora_" in p["name"]} == {"float32"}
+
+
+def _qlora_grpo_plan(tmp_path, memory: int, *arguments: str):
+    """The plan of the tiny GRPO recipe as QLoRA (bf16) on one GPU of ``memory`` bytes, ``arguments`` overriding."""
+    from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+    from fsdp_peft.settings.config import resolve_recipe_config
+    from fsdp_peft.tools.plan import plan_recipe
+
+    config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+    argv = ["--config", str(config), *QLORA, *arguments]
+    recipe, training, _ = resolve_recipe_config(argv, config, str(tmp_path))
+    return plan_recipe(GRPO_PROCEDURE.with_defaults(recipe), training, GRPO_PROCEDURE, "tiny", 1, memory)
+
+
+def _four_bit_linear_bytes() -> int:
+    """bf16 bytes of every decoder-layer linear weight of the tiny Llama, from its config (what QLoRA stores 4-bit)."""
+    from fsdp_peft.tools.plan import load_model_config
+
+    c = load_model_config("tiny-llama")
+    head = c.hidden_size // c.num_attention_heads
+    attention = 2 * c.hidden_size * c.num_attention_heads * head + 2 * c.hidden_size * c.num_key_value_heads * head
+    return c.num_hidden_layers * (attention + 3 * c.hidden_size * c.intermediate_size) * 2
+
+
+def test_the_plan_counts_qlora_rollouts_dequantized_copies_and_keeps_4_bit_where_they_do_not_fit(tmp_path):
+    """generate_compiled: auto: the 16-bit copies of the 4-bit layers (the compiled decode step's) are a row of their
+    own where the peak with them is within 90% of the GPU, else dropped and the layers kept 4-bit; true plans them
+    always, false never; switching the copies off is offered as a saving."""
+    from fsdp_peft.tools.plan import DEQUANTIZED_ROW, rollouts_line
+
+    fixed = ("--activation_checkpointing", "false")
+    large = _qlora_grpo_plan(tmp_path, 80 * 2**30, *fixed)
+    assert large.gpu[DEQUANTIZED_ROW] == _four_bit_linear_bytes() and large.rollouts_dequantized
+    assert rollouts_line(large).startswith("4-bit layers in rollouts: dequantized for each generate call (auto: ")
+    without = large.gpu_peak - large.gpu[DEQUANTIZED_ROW]
+    between = int((without + large.gpu[DEQUANTIZED_ROW] / 2) / 0.9)  # the peak fits without the copies, not with
+    tight = _qlora_grpo_plan(tmp_path, between, *fixed)
+    assert DEQUANTIZED_ROW not in tight.gpu and tight.rollouts_dequantized is False and tight.gpu_peak == without
+    assert "kept (an eager decode step) (auto: with their dequantized copies" in rollouts_line(tight)
+    forced = _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_compiled", "true")
+    assert forced.gpu[DEQUANTIZED_ROW] == large.gpu[DEQUANTIZED_ROW]
+    assert forced.rollouts_reason == "generate_compiled: true"
+    assert any(s["switch"].startswith("generate_compiled: false") for s in forced.suggestions)
+    off = _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_compiled", "false")
+    assert DEQUANTIZED_ROW not in off.gpu and off.rollouts_dequantized is None and rollouts_line(off) is None
+
+
+def test_under_auto_checkpointing_the_plan_checkpoints_more_layers_to_keep_the_rollouts_dequantized(tmp_path):
+    """Both auto, on GPUs sized from the plan's own peaks per choice: where no layer need be checkpointed without the
+    copies but the copies fit only with some, the copies stay and those layers are checkpointed; where not even every
+    layer checkpointed fits with them, the copies go and checkpointing is chosen as under generate_compiled: false."""
+    from fsdp_peft.tools.plan import DEQUANTIZED_ROW
+
+    eager_large = _qlora_grpo_plan(tmp_path, 80 * 2**30, "--generate_compiled", "false")
+    peaks = [choice["peak"] for choice in eager_large.checkpointing_choices]  # fewest layers first, none first
+    copies = _qlora_grpo_plan(tmp_path, 80 * 2**30).gpu[DEQUANTIZED_ROW]
+    for limit, dequantized in ((peaks[0] + copies // 2, True), (peaks[-1] + copies // 2, False)):
+        memory = math.ceil(limit / 0.9)
+        plan = _qlora_grpo_plan(tmp_path, memory)
+        eager = _qlora_grpo_plan(tmp_path, memory, "--generate_compiled", "false")
+        assert plan.rollouts_dequantized is dequantized and (DEQUANTIZED_ROW in plan.gpu) is dequantized
+        if dequantized:
+            assert eager.checkpointing.count == 0 < plan.checkpointing.count and plan.gpu_peak <= 0.9 * memory
+        else:
+            assert plan.checkpointing == eager.checkpointing and plan.gpu == eager.gpu
+
+
+def test_a_qlora_run_on_a_gpu_makes_generate_compiled_auto_false_where_the_plan_keeps_4_bit(tmp_path, monkeypatch):
+    """The run side (`fsdp_peft.recipe.parse_run_config`): with device_memory below what the copies need, the resolved
+    recipe computes its rollouts through the 4-bit layers (generate_compiled: false) and says why; with room, auto
+    stays (the copies made at each call). A GPU is stood in for: on CPU auto compiles nothing, so there is no choice."""
+    import fsdp_peft.tools.plan as plan_module
+    from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+    from fsdp_peft.recipe import parse_run_config
+
+    monkeypatch.setattr(plan_module, "_on_gpu", lambda: True)
+    fixed = ("--activation_checkpointing", "false")
+    large = _qlora_grpo_plan(tmp_path, 80 * 2**30, *fixed)
+    between = int((large.gpu_peak - large.gpu[plan_module.DEQUANTIZED_ROW] / 2) / 0.9)
+    config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+    for memory, compiled in ((between, "false"), (80 * 2**30, "auto")):
+        argv = ["--config", str(config), *QLORA, *fixed, "--device_memory", str(memory), "--output_dir", str(tmp_path)]
+        recipe, _, _, line = parse_run_config(argv, config, str(tmp_path), GRPO_PROCEDURE)
+        assert recipe.generate_compiled == compiled, line
+        assert line.startswith("4-bit layers in rollouts: " + ("kept" if compiled == "false" else "dequantized"))
