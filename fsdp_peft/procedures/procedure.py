@@ -85,6 +85,8 @@ class Procedure:
     # (recipe, training values, model config, compute bytes, rows per rank, tokens of one sequence a row per rank)
     # -> PlannedRows; None: a row is one sequence (SFT), and the plan may also find the longest one that fits
     planned_rows: Callable[[RecipeArguments, dict, Any, int, int, int], PlannedRows] | None = None
+    # samples its training rows with generate (GRPO's rollouts): a QLoRA run's plan chooses their 4-bit copies
+    samples_rollouts: bool = False
 
     def with_defaults(self, recipe: RecipeArguments) -> RecipeArguments:
         """``recipe`` with the shared keys it leaves unset (``beta``, ``loss_type``) at this procedure's defaults."""

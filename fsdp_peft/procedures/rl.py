@@ -352,4 +352,5 @@ GRPO_PROCEDURE = Procedure(
     rules=(_rl_loss_is_known, _rl_has_rewards, _rl_groups_fill_the_batch, _rl_checkpoints_on_generation_boundaries),
     through_trl=True,
     planned_rows=_rollouts,
+    samples_rollouts=True,
 )

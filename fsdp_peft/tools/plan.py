@@ -523,12 +523,13 @@ def plan_recipe(
     low_memory_loading: bool | None = None,
     offload_params: bool | None = None,
     offload_possible: bool = True,
+    auto_compiles: bool = True,
 ) -> MemoryPlan:
     """`plan_memory` of resolved values: ``recipe`` (`fsdp_peft.settings.config.RecipeArguments`), ``training`` (the
     ``TrainingArguments`` values), the ``procedure`` (`fsdp_peft.procedures.procedure.Procedure`: what one of its
     rows puts through the model, whether it trains through TRL); ``label`` names the config in the output. A run
     plans itself through this under ``activation_checkpointing: auto`` (``offload_possible``: a device to offload
-    activations from)."""
+    activations from; ``auto_compiles``: ``generate_compiled: auto`` compiles there, a GPU)."""
     check_keys(recipe, training)
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 1:
@@ -652,10 +653,10 @@ def plan_recipe(
     )
     if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.tools.generation.parameters_gathered)
         plan.gpu[ROLLOUT_ROW] = rollout_cache + counts.base_bytes * (shard_over - 1)
-    dequantized = 0
-    if rollout_cache and xla is None and recipe.generate_compiled != "false":  # the compiled step's 16-bit copies
-        dequantized = counts.quantized_linear_parameters * compute_bytes  # (generation.four_bit_dequantized)
-        plan.gpu[DEQUANTIZED_ROW] = dequantized
+    gathered = (mixed or recipe.torch_dtype) if shard_over > 1 else recipe.torch_dtype  # as gather_bytes
+    copies = rollout_copies_bytes(recipe, counts, fsdp, gathered, auto_compiles) if rollout_cache else 0
+    if copies and recipe.generate_compiled == "true":  # asked for: planned, checkpointing chosen with them
+        plan.gpu[DEQUANTIZED_ROW] = copies
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
 
     full_model_bytes = counts.base_parameters * DTYPE_BYTES[recipe.torch_dtype]
@@ -682,14 +683,11 @@ def plan_recipe(
     def activations(checkpointing: Checkpointing) -> int:
         return activation_bytes(model_config, recipe, tokens, compute_bytes, checkpointing, chunk_tokens, layer_ranks)
 
-    def choose_layers() -> Checkpointing:
-        return choose_checkpointing(plan, activations, offload_possible, vision)
-
-    least = choose_layers() if choose else plan.checkpointing
-    if dequantized:
-        plan.rollouts_dequantized, plan.rollouts_reason = True, f"generate_compiled: {recipe.generate_compiled}"
+    least = choose_checkpointing(plan, activations, offload_possible, vision) if choose else plan.checkpointing
+    if copies:
+        plan.rollouts_dequantized, plan.rollouts_reason = True, "generate_compiled: true"
         if recipe.generate_compiled == AUTO:
-            least = choose_rollouts(plan, dequantized, choose_layers if choose else None) or least
+            choose_rollouts(plan, copies)
     plan.suggestions = suggestions(plan, model_config, recipe, resident, full_model_bytes, low_memory)
     if procedure.planned_rows is None and xla is None:
         plan.longest_sequence = longest_sequence(
@@ -725,25 +723,43 @@ def choose_checkpointing(plan: MemoryPlan, activations, offload_possible: bool, 
     return options[-1]
 
 
-def choose_rollouts(plan: MemoryPlan, copies: int, choose_layers) -> Checkpointing | None:
+def rollout_copies_bytes(recipe, counts: ModelCounts, fsdp: str, gathered: str, auto_compiles: bool) -> int:
+    """Bytes of the 16-bit copies of a QLoRA model's 4-bit linear weights that each rollout's generate call makes
+    for the compiled decode step (`fsdp_peft.tools.generation.four_bit_dequantized`, every unit gathered): the 4-bit
+    linear weights' elements in ``gathered``, the dtype the weights are gathered in. None (0) where no 4-bit layer
+    is, where the step is not compiled (``generate_compiled: false``; ``auto`` where ``auto_compiles`` is False: a
+    CPU), under FSDP1 or XLA (weights gathered per forward), with ``generate_gather_budget: none``, or where the
+    compute dtype is not that dtype (such a layer keeps its own forward, which casts)."""
+    four_bit = FourBit.of(recipe)
+    compiled = recipe.generate_compiled == "true" or (recipe.generate_compiled == AUTO and auto_compiles)
+    if not four_bit or not compiled or fsdp == "FSDP1" or fsdp.startswith("XLA"):
+        return 0
+    if str(recipe.generate_gather_budget).strip().lower() == "none":
+        return 0
+    if four_bit.compute != getattr(torch, gathered):
+        return 0
+    return counts.quantized_linear_parameters * DTYPE_BYTES[gathered]
+
+
+def choose_rollouts(plan: MemoryPlan, copies: int) -> None:
     """QLoRA rollouts under ``generate_compiled: auto``: the 4-bit layers dequantized for each generate call (their
-    ``copies`` bytes planned: the compiled decode step needs them) where the planned peak with them is within
-    ``1 - MARGIN`` of the GPU, checkpointing chosen with them under ``activation_checkpointing: auto``
-    (``choose_layers`` given); else the copies' row dropped, the layers kept 4-bit (an eager decode step) and
-    checkpointing chosen again without it. Rollouts come first: generation takes most of a GRPO step's time. Sets the
-    plan's choice and why; returns the least memory of the checkpointing choices where it chose them again."""
+    ``copies`` a row of the plan; the compiled decode step needs them) where the planned total with them is within
+    ``1 - MARGIN`` of the GPU, else kept 4-bit (an eager decode step). Checkpointing was chosen without them: the
+    plan counts rollouts beside the activations, an upper bound (the two do not overlap), so checkpointing more
+    layers for the copies' sake would buy recomputation for memory that generation does not contend for. Sets the
+    plan's choice and why."""
     limit = int(plan.gpu_memory_bytes * (1 - MARGIN))
     within = f"{1 - MARGIN:.0%} of {budget(plan.gpu_memory_bytes)}"
-    peak = plan.gpu_peak
-    if peak <= limit:
-        plan.rollouts_reason = f"auto: the planned peak with their copies, {gib(peak)}, is within {within}"
-        return None
-    del plan.gpu[DEQUANTIZED_ROW]
-    plan.rollouts_dequantized = False
-    plan.rollouts_reason = (
-        f"auto: with their dequantized copies ({gib(copies)}) the planned peak, {gib(peak)}, is over {within}"
-    )
-    return choose_layers() if choose_layers is not None else None
+    total = plan.gpu_total + copies
+    if total > limit:
+        plan.rollouts_dequantized = False
+        plan.rollouts_reason = (
+            f"auto: with their dequantized copies ({gib(copies)}) the planned total, {gib(total)}, is over {within}"
+        )
+        return
+    rows = list(plan.gpu.items())  # the copies' row before the last (the CUDA context's)
+    plan.gpu = dict([*rows[:-1], (DEQUANTIZED_ROW, copies), rows[-1]])
+    plan.rollouts_reason = f"auto: the planned total with their copies, {gib(total)}, is within {within}"
 
 
 def rollouts_line(plan: MemoryPlan) -> str | None:
@@ -920,10 +936,12 @@ def launch_plan(recipe, training: dict, procedure, source) -> MemoryPlan | None:
     auto compiles) and memory to plan within (`device_memory`); else None."""
     memory = device_memory(recipe)
     on_gpu = _on_gpu()  # offloading activations moves them off a GPU; on CPU they are there already
-    rollouts = on_gpu and recipe.load_in_4bit and recipe.generate_compiled == AUTO and bool(procedure.planned_rows)
+    rollouts = on_gpu and recipe.load_in_4bit and recipe.generate_compiled == AUTO and procedure.samples_rollouts
     if memory is None or (_asked(recipe, training)[0] != AUTO and not rollouts):
         return None
-    return plan_recipe(recipe, training, procedure, str(source), None, memory, offload_possible=on_gpu)
+    return plan_recipe(
+        recipe, training, procedure, str(source), None, memory, offload_possible=on_gpu, auto_compiles=on_gpu
+    )
 
 
 def _on_gpu() -> bool:

@@ -102,6 +102,7 @@ NOT_IDENTITY = {  # keys that do not change what a run trains: they may differ w
     "generate_batch_size",
     "generate_gather_budget",
     "generate_merged_adapter",
+    "generate_compiled",
     "generate_eval_samples",
     "max_eval_samples",
     "eval_tasks",

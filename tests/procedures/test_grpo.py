@@ -375,47 +375,76 @@ def _four_bit_linear_bytes() -> int:
     return c.num_hidden_layers * (attention + 3 * c.hidden_size * c.intermediate_size) * 2
 
 
+def test_the_rollouts_dequantized_copies_row_is_what_a_generate_call_dequantizes(tmp_path):
+    """The plan's row against the copies `four_bit_dequantized` makes of the tiny Llama loaded in 4 bits (real
+    bitsandbytes layers, LoRA attached), and against the linear weights counted from its config."""
+    from transformers import TrainingArguments
+
+    from fsdp_peft.model.modeling import attach_lora, load_base_model
+    from fsdp_peft.procedures.rl import GRPO_PROCEDURE
+    from fsdp_peft.settings.config import resolve_recipe_config
+    from fsdp_peft.tools.generation import four_bit_dequantized
+    from fsdp_peft.tools.plan import DEQUANTIZED_ROW, plan_recipe
+
+    config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
+    recipe, training, _ = resolve_recipe_config(["--config", str(config), *QLORA], config, "unused")
+    planned = plan_recipe(GRPO_PROCEDURE.with_defaults(recipe), training, GRPO_PROCEDURE, "tiny", 1, 80 * 2**30)
+    arguments = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    model = attach_lora(load_base_model(recipe), recipe, arguments).train()  # train(): no CPU repacking
+    with four_bit_dequantized(model, None) as made:
+        dense = sum(m.weight.nbytes for m in model.modules() if type(m).__name__ == "DequantizedLinear")
+    assert planned.gpu[DEQUANTIZED_ROW] == made == dense == _four_bit_linear_bytes()
+
+
 def test_the_plan_counts_qlora_rollouts_dequantized_copies_and_keeps_4_bit_where_they_do_not_fit(tmp_path):
     """generate_compiled: auto: the 16-bit copies of the 4-bit layers (the compiled decode step's) are a row of their
-    own where the peak with them is within 90% of the GPU, else dropped and the layers kept 4-bit; true plans them
+    own where the total with them is within 90% of the GPU, else left out and the layers kept 4-bit; true plans them
     always, false never; switching the copies off is offered as a saving."""
     from fsdp_peft.tools.plan import DEQUANTIZED_ROW, rollouts_line
 
     fixed = ("--activation_checkpointing", "false")
     large = _qlora_grpo_plan(tmp_path, 80 * 2**30, *fixed)
     assert large.gpu[DEQUANTIZED_ROW] == _four_bit_linear_bytes() and large.rollouts_dequantized
+    assert list(large.gpu)[-2:] == [DEQUANTIZED_ROW, "CUDA context and slack (est.)"]
     assert rollouts_line(large).startswith("4-bit layers in rollouts: dequantized for each generate call (auto: ")
-    without = large.gpu_peak - large.gpu[DEQUANTIZED_ROW]
-    between = int((without + large.gpu[DEQUANTIZED_ROW] / 2) / 0.9)  # the peak fits without the copies, not with
+    without = large.gpu_total - large.gpu[DEQUANTIZED_ROW]
+    between = int((without + large.gpu[DEQUANTIZED_ROW] / 2) / 0.9)  # the total fits without the copies, not with
     tight = _qlora_grpo_plan(tmp_path, between, *fixed)
-    assert DEQUANTIZED_ROW not in tight.gpu and tight.rollouts_dequantized is False and tight.gpu_peak == without
+    assert DEQUANTIZED_ROW not in tight.gpu and tight.rollouts_dequantized is False and tight.gpu_total == without
     assert "kept (an eager decode step) (auto: with their dequantized copies" in rollouts_line(tight)
     forced = _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_compiled", "true")
     assert forced.gpu[DEQUANTIZED_ROW] == large.gpu[DEQUANTIZED_ROW]
     assert forced.rollouts_reason == "generate_compiled: true"
     assert any(s["switch"].startswith("generate_compiled: false") for s in forced.suggestions)
-    off = _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_compiled", "false")
-    assert DEQUANTIZED_ROW not in off.gpu and off.rollouts_dequantized is None and rollouts_line(off) is None
+    for none in (
+        _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_compiled", "false"),
+        _qlora_grpo_plan(tmp_path, between, *fixed, "--generate_gather_budget", "none"),  # nothing gathered
+        _qlora_grpo_plan(tmp_path, between, *fixed, "--bnb_4bit_compute_dtype", "float16"),  # a layer that casts
+        _qlora_grpo_plan(tmp_path, between, *fixed, "--load_in_4bit", "false"),  # LoRA: nothing to dequantize
+    ):
+        assert DEQUANTIZED_ROW not in none.gpu and none.rollouts_dequantized is None and rollouts_line(none) is None
+        assert not any(s["switch"].startswith("generate_compiled") for s in none.suggestions)
 
 
-def test_under_auto_checkpointing_the_plan_checkpoints_more_layers_to_keep_the_rollouts_dequantized(tmp_path):
-    """Both auto, on GPUs sized from the plan's own peaks per choice: where no layer need be checkpointed without the
-    copies but the copies fit only with some, the copies stay and those layers are checkpointed; where not even every
-    layer checkpointed fits with them, the copies go and checkpointing is chosen as under generate_compiled: false."""
+def test_under_auto_checkpointing_the_copies_are_chosen_after_the_layers_and_true_checkpoints_for_them(tmp_path):
+    """Both auto: checkpointing is chosen as without the copies (rollouts and activations do not overlap: no layer
+    recomputed for the copies' sake), then the copies kept where the total fits; generate_compiled: true counts them
+    while choosing, so more layers are checkpointed. GPUs sized from the plan's own peaks per choice."""
     from fsdp_peft.tools.plan import DEQUANTIZED_ROW
 
     eager_large = _qlora_grpo_plan(tmp_path, 80 * 2**30, "--generate_compiled", "false")
     peaks = [choice["peak"] for choice in eager_large.checkpointing_choices]  # fewest layers first, none first
     copies = _qlora_grpo_plan(tmp_path, 80 * 2**30).gpu[DEQUANTIZED_ROW]
-    for limit, dequantized in ((peaks[0] + copies // 2, True), (peaks[-1] + copies // 2, False)):
-        memory = math.ceil(limit / 0.9)
-        plan = _qlora_grpo_plan(tmp_path, memory)
-        eager = _qlora_grpo_plan(tmp_path, memory, "--generate_compiled", "false")
-        assert plan.rollouts_dequantized is dequantized and (DEQUANTIZED_ROW in plan.gpu) is dequantized
-        if dequantized:
-            assert eager.checkpointing.count == 0 < plan.checkpointing.count and plan.gpu_peak <= 0.9 * memory
-        else:
-            assert plan.checkpointing == eager.checkpointing and plan.gpu == eager.gpu
+    memory = math.ceil((peaks[0] + copies // 2) / 0.9)  # none checkpointed fits, but not with the copies
+    plan = _qlora_grpo_plan(tmp_path, memory)
+    eager = _qlora_grpo_plan(tmp_path, memory, "--generate_compiled", "false")
+    forced = _qlora_grpo_plan(tmp_path, memory, "--generate_compiled", "true")
+    assert plan.rollouts_dequantized is False and plan.gpu == eager.gpu
+    assert plan.checkpointing == eager.checkpointing and eager.checkpointing.count == 0
+    assert forced.gpu[DEQUANTIZED_ROW] == copies and forced.checkpointing.count > 0 and forced.gpu_peak <= 0.9 * memory
+    roomy = math.ceil((peaks[0] + copies) / 0.9) + 1
+    plan = _qlora_grpo_plan(tmp_path, roomy)
+    assert plan.rollouts_dequantized and plan.checkpointing.count == 0 and plan.gpu[DEQUANTIZED_ROW] == copies
 
 
 def test_a_qlora_run_on_a_gpu_makes_generate_compiled_auto_false_where_the_plan_keeps_4_bit(tmp_path, monkeypatch):
