@@ -458,7 +458,7 @@ def test_a_qlora_run_on_a_gpu_makes_generate_compiled_auto_false_where_the_plan_
     monkeypatch.setattr(plan_module, "_on_gpu", lambda: True)
     fixed = ("--activation_checkpointing", "false")
     large = _qlora_grpo_plan(tmp_path, 80 * 2**30, *fixed)
-    between = int((large.gpu_peak - large.gpu[plan_module.DEQUANTIZED_ROW] / 2) / 0.9)
+    between = int((large.gpu_total - large.gpu[plan_module.DEQUANTIZED_ROW] / 2) / 0.9)
     config = REPO / "configs" / "llama_grpo" / "tiny.yaml"
     for memory, compiled in ((between, "false"), (80 * 2**30, "auto")):
         argv = ["--config", str(config), *QLORA, *fixed, "--device_memory", str(memory), "--output_dir", str(tmp_path)]
