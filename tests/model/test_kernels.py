@@ -132,6 +132,7 @@ def test_kernels_liger_sets_the_trainers_own_switch_and_steps_the_chunked_loss_a
 
 
 def test_refusals_are_one_line_each_with_the_key_and_the_fix(monkeypatch):
+    monkeypatch.delenv("FSDP_PEFT_UNVERIFIED", raising=False)  # the release gate is on here (CI's newest step lifts it)
     config = tiny_config()
     from fsdp_peft.model.paths import known_model_config
 
