@@ -122,7 +122,7 @@ def parse_run_config(
     check_config(recipe_args, training_values, procedure)
     start_xla_runtime(trainer_fsdp_arguments(training_values).get("fsdp_config"))
     plan = launch_plan(recipe_args, training_values, procedure, options.config)
-    checkpointing, chosen = run_checkpointing(recipe_args, training_values, procedure, options.config, plan)
+    checkpointing, chosen = run_checkpointing(recipe_args, training_values, options.config, plan)
     recipe_args, rollouts = rollouts_as_planned(recipe_args, plan)
     training_values = {**training_values, **chosen, **kernel_training_values(recipe_args)}
     arguments_class, extra = procedure.arguments(recipe_args)

@@ -100,9 +100,10 @@ def run_one(args) -> dict:
     if ours:  # the recipe's activation checkpointing: auto, and its kernels, as fsdp_peft.recipe resolves them
         from fsdp_peft.model.kernels import kernel_training_values
         from fsdp_peft.procedures.sft import SFT_PROCEDURE
-        from fsdp_peft.tools.plan import run_checkpointing
+        from fsdp_peft.tools.plan import launch_plan, run_checkpointing
 
-        checkpointing, chosen = run_checkpointing(recipe, training_values, SFT_PROCEDURE, config_path)
+        plan = launch_plan(recipe, training_values, SFT_PROCEDURE, config_path)
+        checkpointing, chosen = run_checkpointing(recipe, training_values, config_path, plan)
         training_values = {**training_values, **chosen, **kernel_training_values(recipe)}
     training = build_training_arguments(training_values, config_path)
     on_gpu = torch.cuda.is_available()

@@ -542,7 +542,8 @@ def plan_recipe(
     fsdp = "none" if shard_over == 1 and settings is None else f"FSDP{settings.version if settings else 2}"
     mixed = mixed_precision_dtype(training)
     compute_bytes = DTYPE_BYTES[mixed or recipe.torch_dtype]
-    gather_bytes = compute_bytes if shard_over > 1 else DTYPE_BYTES[recipe.torch_dtype]
+    gather_dtype = (mixed or recipe.torch_dtype) if shard_over > 1 else recipe.torch_dtype  # what FSDP gathers in
+    gather_bytes = DTYPE_BYTES[gather_dtype]
     model_config = load_model_config(recipe.model_name_or_path, recipe.trust_remote_code)
     peft_model = meta_peft_model(model_config, recipe)
     version = settings.version if settings is not None else 2
@@ -653,8 +654,7 @@ def plan_recipe(
     )
     if rollout_cache:  # generate gathers every unit once per call (fsdp_peft.tools.generation.parameters_gathered)
         plan.gpu[ROLLOUT_ROW] = rollout_cache + counts.base_bytes * (shard_over - 1)
-    gathered = (mixed or recipe.torch_dtype) if shard_over > 1 else recipe.torch_dtype  # as gather_bytes
-    copies = rollout_copies_bytes(recipe, counts, fsdp, gathered, auto_compiles) if rollout_cache else 0
+    copies = rollout_copies_bytes(recipe, counts, fsdp, gather_dtype, auto_compiles) if rollout_cache else 0
     if copies and recipe.generate_compiled == "true":  # asked for: planned, checkpointing chosen with them
         plan.gpu[DEQUANTIZED_ROW] = copies
     plan.gpu["CUDA context and slack (est.)"] = CUDA_CONTEXT_BYTES
@@ -956,19 +956,16 @@ def _asked(recipe, training: dict) -> tuple[Checkpointing | str, int]:
     return requested(training, layers), layers
 
 
-def run_checkpointing(
-    recipe, training: dict, procedure, source, plan: MemoryPlan | None = None
-) -> tuple[CheckpointingChoice, dict]:
+def run_checkpointing(recipe, training: dict, source, plan: MemoryPlan | None) -> tuple[CheckpointingChoice, dict]:
     """What a run checkpoints, and the training values that make transformers do it: the config's own setting, or
-    under ``auto`` the plan's choice on this launch's ranks and device (``plan``: `launch_plan`'s, else made here;
-    refused, before any weights, when not even the least memory of the choices fits)."""
+    under ``auto`` the choice of ``plan``, `launch_plan`'s on this launch's ranks and device (refused, before any
+    weights, when not even the least memory of the choices fits)."""
     asked, layers = _asked(recipe, training)
     if asked != AUTO:
         return CheckpointingChoice(asked, layers, "as the config sets it"), {}
     # the Trainer's switch off: the recipe checkpoints the chosen layers
     # (fsdp_peft.settings.checkpointing.apply_checkpointing)
     off = {**{key: None for key in CHECKPOINTING_KEYS + KWARGS_KEYS}, "activation_checkpointing": False}
-    plan = plan if plan is not None else launch_plan(recipe, training, procedure, source)
     if plan is None:
         reason = "auto: no GPU memory to plan within; set device_memory to plan one"
         return CheckpointingChoice(NONE, layers, reason), off
