@@ -1,8 +1,8 @@
 """Generation benchmark: tokens/second of greedy decoding from the tiny model sharded over 2 CPU ranks.
 
 Runs of the same weights (``--model``: the embedded tiny Llama, or smollm2-135m-instruct, with a seeded, random
-LoRA adapter on every linear layer, fp32), each generating ``--new-tokens`` tokens greedily for each of ``--prompts``
-prompts:
+LoRA adapter on every linear layer, fp32, frozen as ``fsdp-peft generate`` loads an adapter), each generating
+``--new-tokens`` tokens greedily for each of ``--prompts`` prompts:
 
 - ``unsharded``: one process, the whole model, all prompts in one batch, run with 1 thread and with
   all cores' threads; the faster one is the reference;
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(recipe)
     model = get_peft_model(
         load_base_model(recipe), LoraConfig(r=32, target_modules="all-linear", init_lora_weights=False)
-    )
+    ).requires_grad_(False)  # frozen, as `fsdp-peft generate` loads an adapter: one process keeps its merged weights
     if sharded:
         shard_for_generation(model, torch.device("cpu"))
     if args.worker == "peer":

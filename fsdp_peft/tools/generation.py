@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -169,7 +170,11 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
       copy, which resharding at its end drops (nothing to undo, no memory); a unit gathered before the block and not
       kept (a root, or ``reshard_after_forward: false`` after a forward) stays unmerged: it is not resharded after;
     - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
-      fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit.
+      fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit. A frozen model's
+      copies (no parameter requires grad, as ``fsdp-peft generate`` and ``eval`` load it) are kept for its next
+      calls and used again while their weight (the same storage, its version counter unchanged) and adapter (name,
+      scale and values) are what they were made from: memory taken already, they do not count against ``budget``.
+      A model in training keeps none: they would stay allocated through its training steps.
     Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
     weight shared with another module (tied embeddings) and 4-bit layers stay unmerged. For the block a merged layer
     steps aside, its base in its place in the parent (unless the LoRA layer is an FSDP unit itself): the forward runs
@@ -181,6 +186,7 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
         return
     owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
     shared = _shared_parameters(model)
+    frozen = not in_place and not any(parameter.requires_grad for parameter in model.parameters())
     merged, replaced, unwrapped, used = [], [], [], 0
     try:
         for parent, name, layer in _child_slots(model):
@@ -191,12 +197,15 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
                 continue
             if in_place:
                 _add_delta(layer, adapter, weight.data, in_place=True)
-            elif budget is None or used + weight.nbytes <= budget:
-                used += weight.nbytes
+            else:  # a kept copy is memory taken already: only new copies count against the budget
+                copy = _kept_copy(layer, adapter, weight)
+                if copy is None and budget is not None and used + weight.nbytes > budget:
+                    continue
+                if copy is None:
+                    used += weight.nbytes
+                    copy = _merged_copy(layer, adapter, weight, keep=frozen)
                 replaced.append((weight, weight.data))
-                weight.data = _add_delta(layer, adapter, weight.data)
-            else:
-                continue
+                weight.data = copy
             layer.merged_adapters.append(adapter)
             merged.append(layer)
             # its base computes alone, no adapter code in the forward (not a unit, nor a wrapper of a wrapper)
@@ -206,10 +215,67 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
         yield len(merged)
     finally:
         _put_back(unwrapped)
+        _forget_merged_copies(model, but=merged if frozen else ())
         for layer in merged:  # peft's own unmerge would subtract: the gathered copies go at reshard instead
             layer.merged_adapters.clear()
         for weight, original in reversed(replaced):
             weight.data = original
+
+
+@dataclass(frozen=True)
+class _MergedCopy:
+    """A LoRA layer's weight with its adapter merged (`adapters_merged`), and what it was made from: the weight's
+    storage and version counter (an in-place change bumps it), the adapter's name, scale and tensors' values."""
+
+    made_from: tuple
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    merged: torch.Tensor
+
+    def still_equal(self, layer, adapter: str, weight: torch.Tensor) -> bool:
+        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        return (
+            self.made_from == _made_from(layer, adapter, weight)
+            and torch.equal(self.lora_a, a)
+            and torch.equal(self.lora_b, b)
+        )
+
+
+_MERGED_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA layer -> its kept `_MergedCopy`
+
+
+def _made_from(layer, adapter: str, weight: torch.Tensor) -> tuple:
+    return (adapter, layer.scaling[adapter], weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+
+
+def _kept_copy(layer, adapter: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """``layer``'s merged weight kept from an earlier call where it still equals what a merge would make now; a
+    stale one is dropped."""
+    kept = _MERGED_COPIES.get(layer)
+    if kept is None:
+        return None
+    if kept.still_equal(layer, adapter, weight):
+        return kept.merged
+    del _MERGED_COPIES[layer]
+    return None
+
+
+def _merged_copy(layer, adapter: str, weight: torch.Tensor, keep: bool) -> torch.Tensor:
+    """``weight + s B A`` as a new tensor; kept for later calls where ``keep`` (`_kept_copy`)."""
+    merged = _add_delta(layer, adapter, weight.data)
+    if keep:
+        a, b = (tensor.weight.detach().clone() for tensor in (layer.lora_A[adapter], layer.lora_B[adapter]))
+        _MERGED_COPIES[layer] = _MergedCopy(_made_from(layer, adapter, weight), a, b, merged)
+    return merged
+
+
+def _forget_merged_copies(model: torch.nn.Module, but: list | tuple = ()) -> None:
+    """Drop the merged copies kept for ``model``'s layers, ``but`` those of the given layers."""
+    if _MERGED_COPIES:
+        keep = {id(layer) for layer in but}
+        for module in model.modules():
+            if id(module) not in keep:
+                _MERGED_COPIES.pop(module, None)
 
 
 @torch.no_grad()  # GRPO's rollouts gather outside TRL's no_grad: no autograd graph over the trainable adapter

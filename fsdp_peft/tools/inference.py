@@ -121,7 +121,7 @@ def _tokenizer(tokenizer):
 
 
 def attach_trained_adapter(model, adapter):
-    """Wrap ``model`` in the adapter's LoRA layers and load its tensors; every tensor must find its place."""
+    """Wrap ``model`` in the adapter's LoRA layers and load its tensors, frozen; every tensor must find its place."""
     config = get_peft_config({k: v for k, v in adapter.config.items() if k != "base_model_name_or_path"})
     peft_model = peft_wrapped(model, config, autocast_adapter_dtype=False)
     dequantize_in_forward(record_of(model).quantized_experts)  # 4-bit experts (fsdp_peft.model.moe_quantization)
@@ -133,7 +133,9 @@ def attach_trained_adapter(model, adapter):
         )
     if model.device.type == "cpu":
         disable_cpu_weight_repacking(peft_model)
-    return peft_model.eval()
+    # loaded for inference: nothing trains it, so each generation call's merged weights are kept for the next
+    # (`fsdp_peft.tools.generation.adapters_merged`)
+    return peft_model.requires_grad_(False).eval()
 
 
 def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:

@@ -379,6 +379,7 @@ def test_new_tokens_export_and_generate_use_the_grown_vocabulary(tmp_path, tmp_p
     trained = PeftModel.from_pretrained(_fp32_base(tiny_model_dir, adapter), adapter).eval()
     loaded = load_for_generation(adapter, None, torch.device("cpu"))  # what `fsdp-peft generate` runs
     assert loaded.tokenizer.convert_tokens_to_ids(NEW_TOKENS) == new_ids
+    assert not any(p.requires_grad for p in loaded.model.parameters())  # frozen: it keeps its merged weights
     with torch.no_grad():
         want = trained(input_ids=ids).logits
         worst = {

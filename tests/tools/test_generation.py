@@ -147,6 +147,65 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
     assert not any(getattr(module, "merged", False) for module in model.modules())
 
 
+def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_merge(tiny_model_dir):
+    """A model nothing trains (no parameter requires grad, as `fsdp-peft generate` loads it) keeps each call's merged
+    copies for the next: the same tensors come back, computing as a fresh merge does, until a weight or adapter
+    changes (in place, through ``.data`` behind the version counter, or its scale): then that layer merges anew, and
+    its logits follow peft's unmerged forward. A model in training keeps none; a kept copy is not counted against
+    the budget again (it is memory taken already)."""
+    import torch
+
+    from fsdp_peft.tools import generation
+    from fsdp_peft.tools.generation import adapters_merged
+
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    frozen, training = lora_model(tiny_model_dir).eval(), lora_model(tiny_model_dir).eval()
+    frozen.requires_grad_(False)
+    layers = [layer.mlp.down_proj for layer in frozen.base_model.model.model.layers]  # for every merged layer
+    weights = [layer.base_layer.weight for layer in layers]
+
+    def copies() -> list:  # held here: a copy dropped by the code under test stays alive, its storage not reused
+        return [generation._MERGED_COPIES[layer] for layer in layers]
+
+    def merged_call(model, budget=None) -> tuple[int, list[int], torch.Tensor]:
+        with adapters_merged(model, budget) as count, torch.no_grad():
+            pointers = [weight.data_ptr() for weight in weights]
+            return count, pointers, model(input_ids=ids).logits
+
+    count, pointers, logits = merged_call(frozen)
+    first = copies()
+    assert count == 4 * 7 and len(generation._MERGED_COPIES) == 4 * 7
+    assert pointers == [copy.merged.data_ptr() for copy in first]
+    with torch.no_grad():
+        unmerged = frozen(input_ids=ids).logits
+    torch.testing.assert_close(logits, unmerged, rtol=0, atol=1e-5)
+    again, again_pointers, kept_logits = merged_call(frozen, budget=0)  # kept copies: not new memory
+    assert again == 4 * 7 and again_pointers == pointers and torch.equal(kept_logits, logits)
+    assert all(now is before for now, before in zip(copies(), first))
+    assert torch.equal(merged_call(training)[2], logits)  # what a fresh merge computes, bit for bit
+    assert not any(module in generation._MERGED_COPIES for module in training.modules())
+    layer = layers[1]
+    changes = (
+        lambda: layer.lora_B["default"].weight.data.mul_(3),  # behind the version counter: seen by value
+        lambda: layer.base_layer.weight.add_(0.5),  # in place: the version counter moves
+        lambda: layer.scaling.update(default=0.5),
+    )
+    for change in changes:
+        with torch.no_grad():
+            change()
+            unmerged = frozen(input_ids=ids).logits
+        _, pointers, logits = merged_call(frozen)
+        now = copies()
+        assert [a is b for a, b in zip(now, first)] == [True, False, True, True], change
+        assert pointers[1] == now[1].merged.data_ptr() != first[1].merged.data_ptr()
+        torch.testing.assert_close(logits, unmerged, rtol=0, atol=1e-5)
+        assert not torch.allclose(logits, kept_logits, atol=1e-3)
+        first = now
+    assert merged_call(lora_model(tiny_model_dir).eval().requires_grad_(False), budget=0)[0] == 0
+    frozen.requires_grad_(True)  # trained from now on: the copies go
+    assert merged_call(frozen)[0] == 4 * 7 and not generation._MERGED_COPIES
+
+
 def test_a_merged_weight_is_the_base_plus_the_scaled_adapter_product(tiny_model_dir):
     """The merge against its definition, ``W + s B A`` in float64 (scaling 2): fused where the adapter has the
     weight's dtype (fp32, bf16 as under mixed precision), peft's delta (made in the adapter's dtype) where it has not
