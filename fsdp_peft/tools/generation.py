@@ -171,10 +171,9 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
       kept (a root, or ``reshard_after_forward: false`` after a forward) stays unmerged: it is not resharded after;
     - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
       fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit. A frozen model's
-      copies (no parameter requires grad, as ``fsdp-peft generate`` and ``eval`` load it) are kept for its next
-      calls and used again while their weight (the same storage, its version counter unchanged) and adapter (name,
-      scale and values) are what they were made from: memory taken already, they do not count against ``budget``.
-      A model in training keeps none: they would stay allocated through its training steps.
+      copies (`is_frozen`) are kept for its next calls and used again while their weight (`MadeFrom`) and adapter
+      (name, scale and values) are what they were made from: memory taken already, they do not count against
+      ``budget``.
     Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
     weight shared with another module (tied embeddings) and 4-bit layers stay unmerged. For the block a merged layer
     steps aside, its base in its place in the parent (unless the LoRA layer is an FSDP unit itself): the forward runs
@@ -186,7 +185,7 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
         return
     owned = {id(module) for unit in kept or () for module in _owned_modules(unit)}
     shared = _shared_parameters(model)
-    frozen = not in_place and not any(parameter.requires_grad for parameter in model.parameters())
+    frozen = not in_place and is_frozen(model)
     merged, replaced, unwrapped, used = [], [], [], 0
     try:
         for parent, name, layer in _child_slots(model):
@@ -222,12 +221,46 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
             weight.data = original
 
 
+def is_frozen(model: torch.nn.Module) -> bool:
+    """Whether nothing trains ``model``: no parameter requires grad (``fsdp-peft generate`` and ``eval`` load so).
+    Its generation calls keep the merged weights they make for the next calls (`adapters_merged`); a model in
+    training keeps none: they would stay allocated through its training steps."""
+    return not any(parameter.requires_grad for parameter in model.parameters())
+
+
+@dataclass(frozen=True)
+class MadeFrom:
+    """The weight a kept copy was made from, as it was: the parameter, its storage (held here, so that no other
+    tensor can take its address while the copy is kept) and its version counter (an in-place change bumps it)."""
+
+    parameter: torch.Tensor
+    data: torch.Tensor
+    version: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> MadeFrom:
+        return cls(weight, weight.data, weight._version)
+
+    def is_now(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is still the one it was: the same parameter, storage, view and version."""
+        data = weight.data
+        return (
+            weight is self.parameter
+            and weight._version == self.version
+            and data.data_ptr() == self.data.data_ptr()
+            and data.shape == self.data.shape
+            and data.stride() == self.data.stride()
+            and data.dtype == self.data.dtype
+        )
+
+
 @dataclass(frozen=True)
 class _MergedCopy:
-    """A LoRA layer's weight with its adapter merged (`adapters_merged`), and what it was made from: the weight's
-    storage and version counter (an in-place change bumps it), the adapter's name, scale and tensors' values."""
+    """A LoRA layer's weight with its adapter merged (`adapters_merged`), and what it was made from: the weight as
+    it was (`MadeFrom`), the adapter's name and scale, and its tensors' values."""
 
-    made_from: tuple
+    weight: MadeFrom
+    adapter: tuple[str, float]
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     merged: torch.Tensor
@@ -235,17 +268,14 @@ class _MergedCopy:
     def still_equal(self, layer, adapter: str, weight: torch.Tensor) -> bool:
         a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
         return (
-            self.made_from == _made_from(layer, adapter, weight)
+            self.weight.is_now(weight)
+            and self.adapter == (adapter, layer.scaling[adapter])
             and torch.equal(self.lora_a, a)
             and torch.equal(self.lora_b, b)
         )
 
 
 _MERGED_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA layer -> its kept `_MergedCopy`
-
-
-def _made_from(layer, adapter: str, weight: torch.Tensor) -> tuple:
-    return (adapter, layer.scaling[adapter], weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
 
 
 def _kept_copy(layer, adapter: str, weight: torch.Tensor) -> torch.Tensor | None:
@@ -265,7 +295,7 @@ def _merged_copy(layer, adapter: str, weight: torch.Tensor, keep: bool) -> torch
     merged = _add_delta(layer, adapter, weight.data)
     if keep:
         a, b = (tensor.weight.detach().clone() for tensor in (layer.lora_A[adapter], layer.lora_B[adapter]))
-        _MERGED_COPIES[layer] = _MergedCopy(_made_from(layer, adapter, weight), a, b, merged)
+        _MERGED_COPIES[layer] = _MergedCopy(MadeFrom.of(weight), (adapter, layer.scaling[adapter]), a, b, merged)
     return merged
 
 

@@ -233,3 +233,72 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
                 assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_row_reduction_product_is_the_layers():
+    """``Σₖ W[:, k] x[k] + b`` against the definition ``x Wᵀ + b`` in float64 for one row (a decode step's 2-D and
+    3-D inputs, with and without a bias); a layer of a row-reduction class outside a compiled step computes
+    ``nn.Linear``'s own forward, bit for bit, and is still an instance of its class."""
+    from fsdp_peft.tools.decoding import RowReductionLinear, row_reduction_class, row_reduction_product
+    from fsdp_peft.tools.generation import DequantizedLinear
+
+    torch.manual_seed(0)
+    assert row_reduction_class(torch.nn.Linear) is RowReductionLinear
+    assert issubclass(row_reduction_class(DequantizedLinear), DequantizedLinear)
+    for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False), DequantizedLinear(48, 80)):
+        for x in (torch.randn(1, 48), torch.randn(1, 1, 48)):
+            expected = x.double() @ layer.weight.double().T
+            expected = expected if layer.bias is None else expected + layer.bias.double()
+            with torch.no_grad():
+                got = row_reduction_product(x, layer.weight, layer.bias)
+                own = layer(x)
+                original = type(layer)
+                layer.__class__ = row_reduction_class(original)
+                assert torch.equal(layer(x), own) and isinstance(layer, original)
+                layer.__class__ = original
+            # the same bound as the weight-first product's (fp32 sums of 48 products): 1e-5
+            assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_at_one_row_linear_layers_reduce_over_weight_rows_in_a_compiled_cpu_call_and_draw_the_eager_tokens(
+    tiny_model_dir, monkeypatch
+):
+    """With 2 threads and one prompt, every plain linear layer (the merged bases and the output layer) is of a
+    row-reduction class for the call, the same modules in the same places, and the compiled step computes each as a
+    reduction: the eager path's greedy tokens, and a second call compiles no new graph; the classes are back after.
+    With one thread, or more rows, nothing changes (more rows: `weight_first_layers`)."""
+    from transformers import AutoTokenizer
+
+    from fsdp_peft.tools import decoding
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+
+    model = lora_model(tiny_model_dir).eval().requires_grad_(False)  # frozen: its merged weights kept
+    before = dict(model.named_modules())
+    plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
+    torch._dynamo.reset()  # a fresh budget of recompiles: past dynamo's limit a frame runs eagerly, compiling none
+    products = []  # the row-reduction products the compiled step traced (and ran)
+    product = decoding.row_reduction_product
+    monkeypatch.setattr(decoding, "row_reduction_product", lambda *a: products.append(a[1].shape) or product(*a))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        settings = {"max_new_tokens": 12, "batch_size": 1, "ignore_eos": True}  # this prompt draws EOS first
+        eager = generate_completions(model, tokenizer, ["the cat sat"], GenerationSettings(**settings), "cpu")
+        seen = _types_while_generating(model)
+        compiled = GenerationSettings(**settings, compiled="true")
+        assert generate_completions(model, tokenizer, ["the cat sat"], compiled, torch.device("cpu")) == eager
+        reduced = {name for name, types in seen.items() if types == {"RowReductionLinear"}}
+        assert reduced == {name for name in plain if ".lora_" not in name}, seen  # merged: no adapter layer called
+        assert set(products) == {before[name].weight.shape for name in reduced}  # each ran as a reduction
+        assert len(products) % len(reduced) == 0 and decoding.graphs_compiled() > 0  # all of them, at every step
+        graphs = decoding.graphs_compiled()
+        assert generate_completions(model, tokenizer, ["the cat sat"], compiled, torch.device("cpu")) == eager
+        assert decoding.graphs_compiled() == graphs and dict(model.named_modules()) == before
+        assert all(type(before[name]) is torch.nn.Linear for name in plain)
+        for threads_now, rows in ((1, 1), (2, 2)):
+            torch.set_num_threads(threads_now)
+            with decoding.row_reduction_layers(model, rows) as swapped:
+                assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
+    finally:
+        torch.set_num_threads(threads)

@@ -150,9 +150,9 @@ def test_unsharded_the_adapter_is_merged_into_copies_within_the_budget_and_the_w
 def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_merge(tiny_model_dir):
     """A model nothing trains (no parameter requires grad, as `fsdp-peft generate` loads it) keeps each call's merged
     copies for the next: the same tensors come back, computing as a fresh merge does, until a weight or adapter
-    changes (in place, through ``.data`` behind the version counter, or its scale): then that layer merges anew, and
-    its logits follow peft's unmerged forward. A model in training keeps none; a kept copy is not counted against
-    the budget again (it is memory taken already)."""
+    changes (in place, through ``.data`` behind the version counter, a new tensor in its place, its scale): then that
+    layer merges anew, and its logits follow peft's unmerged forward. A model in training keeps none; a kept copy is
+    not counted against the budget again (it is memory taken already)."""
     import torch
 
     from fsdp_peft.tools import generation
@@ -188,6 +188,7 @@ def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_me
     changes = (
         lambda: layer.lora_B["default"].weight.data.mul_(3),  # behind the version counter: seen by value
         lambda: layer.base_layer.weight.add_(0.5),  # in place: the version counter moves
+        lambda: setattr(layer.base_layer.weight, "data", layer.base_layer.weight * 2),  # new storage, same version
         lambda: layer.scaling.update(default=0.5),
     )
     for change in changes:
