@@ -270,9 +270,15 @@ class _MergedCopy:
         return (
             self.weight.is_now(weight)
             and self.adapter == (adapter, layer.scaling[adapter])
-            and torch.equal(self.lora_a, a)
-            and torch.equal(self.lora_b, b)
+            and _equal(self.lora_a, a)
+            and _equal(self.lora_b, b)
         )
+
+
+def _equal(kept: torch.Tensor, now: torch.Tensor) -> bool:
+    """The same values, dtype and device (``torch.equal`` alone would compare across dtypes, and fail across
+    devices)."""
+    return kept.dtype == now.dtype and kept.device == now.device and torch.equal(kept, now)
 
 
 _MERGED_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA layer -> its kept `_MergedCopy`

@@ -87,32 +87,47 @@ def test_4_bit_layers_compute_with_their_weights_dequantized_for_the_block_then_
         assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) < len(layers)
 
 
-def test_the_weight_first_product_is_the_layers_and_an_eager_forward_is_the_layers_own():
-    """``(W xᵀ)ᵀ + b`` against the definition ``x Wᵀ + b`` in float64 (a decode step's rows, a prefill's 3-D input,
-    with and without a bias), its output the transposed view of ``W xᵀ``; a layer of a weight-first class outside a
-    compiled step computes ``nn.Linear``'s own forward, bit for bit, and is still an instance of its class."""
-    from fsdp_peft.tools.decoding import WeightFirstLinear, weight_first_class, weight_first_product
+PRODUCTS = {  # the compiled step's product of each kind, its class maker, and the inputs it is for
+    "weight_first": (
+        "weight_first_product",
+        "weight_first_class",
+        "WeightFirstLinear",
+        ((5, 48), (2, 7, 48), (3, 1, 48)),
+    ),
+    "row_reduction": ("row_reduction_product", "row_reduction_class", "RowReductionLinear", ((1, 48), (1, 1, 48))),
+}
+
+
+@pytest.mark.parametrize("kind", PRODUCTS)
+def test_each_product_is_the_layers_and_an_eager_forward_is_the_layers_own(kind):
+    """``(W xᵀ)ᵀ + b`` (a decode step's rows, a prefill's 3-D input) and ``Σₖ W[:, k] x[k] + b`` (one row, 2-D and
+    3-D) against the definition ``x Wᵀ + b`` in float64, with and without a bias; the weight-first output is the
+    transposed view of ``W xᵀ``. A layer of either class outside a compiled step computes ``nn.Linear``'s own
+    forward, bit for bit, and is still an instance of its class."""
+    from fsdp_peft.tools import decoding
     from fsdp_peft.tools.generation import DequantizedLinear
 
+    product_name, class_name, plain_name, shapes = PRODUCTS[kind]
+    product, class_for = getattr(decoding, product_name), getattr(decoding, class_name)
     torch.manual_seed(0)
-    assert weight_first_class(torch.nn.Linear) is WeightFirstLinear
-    assert issubclass(weight_first_class(DequantizedLinear), DequantizedLinear)
+    assert class_for(torch.nn.Linear) is getattr(decoding, plain_name)
+    assert issubclass(class_for(DequantizedLinear), DequantizedLinear)
     for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False), DequantizedLinear(48, 80)):
-        for x in (torch.randn(5, 48), torch.randn(2, 7, 48), torch.randn(3, 1, 48)):
+        for x in (torch.randn(*shape) for shape in shapes):
             expected = x.double() @ layer.weight.double().T
             expected = expected if layer.bias is None else expected + layer.bias.double()
             with torch.no_grad():
-                got = weight_first_product(x, layer.weight, layer.bias)
+                got = product(x, layer.weight, layer.bias)
                 own = layer(x)
                 original = type(layer)
-                layer.__class__ = weight_first_class(original)
+                layer.__class__ = class_for(original)
                 assert torch.equal(layer(x), own) and isinstance(layer, original)
                 layer.__class__ = original
             # fp32 sums of 48 products (weights within 1/sqrt(48), seeded normal inputs, sum|x w| <= 3.94 here): the
             # worst-case rounding 48 x 2^-24 x 3.94 is 1.1e-5, the typical one (random signs) ~1e-7; 1e-5 holds short
             # of an adversarial summation order
             assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
-            if layer.bias is None and x.dim() == 2:
+            if kind == "weight_first" and layer.bias is None and x.dim() == 2:
                 assert got.stride() == (1, x.shape[0])  # W xᵀ, read transposed
 
 
@@ -233,31 +248,6 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
                 assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
     finally:
         torch.set_num_threads(threads)
-
-
-def test_the_row_reduction_product_is_the_layers():
-    """``Σₖ W[:, k] x[k] + b`` against the definition ``x Wᵀ + b`` in float64 for one row (a decode step's 2-D and
-    3-D inputs, with and without a bias); a layer of a row-reduction class outside a compiled step computes
-    ``nn.Linear``'s own forward, bit for bit, and is still an instance of its class."""
-    from fsdp_peft.tools.decoding import RowReductionLinear, row_reduction_class, row_reduction_product
-    from fsdp_peft.tools.generation import DequantizedLinear
-
-    torch.manual_seed(0)
-    assert row_reduction_class(torch.nn.Linear) is RowReductionLinear
-    assert issubclass(row_reduction_class(DequantizedLinear), DequantizedLinear)
-    for layer in (torch.nn.Linear(48, 80), torch.nn.Linear(48, 80, bias=False), DequantizedLinear(48, 80)):
-        for x in (torch.randn(1, 48), torch.randn(1, 1, 48)):
-            expected = x.double() @ layer.weight.double().T
-            expected = expected if layer.bias is None else expected + layer.bias.double()
-            with torch.no_grad():
-                got = row_reduction_product(x, layer.weight, layer.bias)
-                own = layer(x)
-                original = type(layer)
-                layer.__class__ = row_reduction_class(original)
-                assert torch.equal(layer(x), own) and isinstance(layer, original)
-                layer.__class__ = original
-            # the same bound as the weight-first product's (fp32 sums of 48 products): 1e-5
-            assert got.shape == expected.shape and torch.allclose(got.double(), expected, rtol=0, atol=1e-5)
 
 
 def test_at_one_row_linear_layers_reduce_over_weight_rows_in_a_compiled_cpu_call_and_draw_the_eager_tokens(
