@@ -185,6 +185,28 @@ def _types_while_generating(model) -> dict[str, set[str]]:
     return seen
 
 
+def _products_recorded(monkeypatch, name: str) -> list:
+    """The weight shapes ``fsdp_peft.tools.decoding``'s product ``name`` is called with from now on, in a fresh
+    dynamo (a fresh budget of recompiles: past dynamo's limit a frame runs eagerly, compiling none): the compiled
+    step traces it once and replays the record at every step."""
+    from fsdp_peft.tools import decoding
+
+    torch._dynamo.reset()
+    products = []
+    product = getattr(decoding, name)
+    monkeypatch.setattr(decoding, name, lambda *a: products.append(a[1].shape) or product(*a))
+    return products
+
+
+def _none_swapped(swapping, model, cases, layers: list) -> None:
+    """With each ``(threads, rows)`` of ``cases``, ``swapping(model, rows)`` swaps no layer's class (the caller
+    restores the thread count)."""
+    for threads, rows in cases:
+        torch.set_num_threads(threads)
+        with swapping(model, rows) as swapped:
+            assert swapped == 0 and all(type(layer) is torch.nn.Linear for layer in layers)
+
+
 @pytest.mark.parametrize("merged", [True, False])
 def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the_eager_tokens(
     tiny_model_dir, monkeypatch, merged
@@ -215,10 +237,7 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
     plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
     assert any(".lora_A." in name for name in plain) and any("lm_head.modules_to_save" in name for name in plain)
     monkeypatch.setattr(decoding, "weight_first_is_faster", lambda weight, rows: True)
-    torch._dynamo.reset()  # a fresh budget of recompiles: past dynamo's limit a frame runs eagerly, compiling none
-    products = []  # the weight-first products the compiled step traced (and ran)
-    product = decoding.weight_first_product
-    monkeypatch.setattr(decoding, "weight_first_product", lambda *a: products.append(a[1].shape) or product(*a))
+    products = _products_recorded(monkeypatch, "weight_first_product")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -242,10 +261,7 @@ def test_linear_layers_compute_weight_first_for_a_compiled_cpu_call_and_draw_the
         assert generate_completions(model, tokenizer, prompts, compiled, torch.device("cpu")) == eager
         assert decoding.graphs_compiled() == graphs > 0 and dict(model.named_modules()) == before
         assert all(type(before[name]) is torch.nn.Linear for name in plain)
-        for threads_now, rows in ((1, 3), (2, 1)):
-            torch.set_num_threads(threads_now)
-            with decoding.weight_first_layers(model, rows) as swapped:
-                assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
+        _none_swapped(decoding.weight_first_layers, model, ((1, 3), (2, 1)), [before[name] for name in plain])
     finally:
         torch.set_num_threads(threads)
 
@@ -265,10 +281,7 @@ def test_at_one_row_linear_layers_reduce_over_weight_rows_in_a_compiled_cpu_call
     model = lora_model(tiny_model_dir).eval().requires_grad_(False)  # frozen: its merged weights kept
     before = dict(model.named_modules())
     plain = {name for name, m in before.items() if type(m) is torch.nn.Linear}
-    torch._dynamo.reset()  # a fresh budget of recompiles: past dynamo's limit a frame runs eagerly, compiling none
-    products = []  # the row-reduction products the compiled step traced (and ran)
-    product = decoding.row_reduction_product
-    monkeypatch.setattr(decoding, "row_reduction_product", lambda *a: products.append(a[1].shape) or product(*a))
+    products = _products_recorded(monkeypatch, "row_reduction_product")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -286,9 +299,6 @@ def test_at_one_row_linear_layers_reduce_over_weight_rows_in_a_compiled_cpu_call
         assert generate_completions(model, tokenizer, ["the cat sat"], compiled, torch.device("cpu")) == eager
         assert decoding.graphs_compiled() == graphs and dict(model.named_modules()) == before
         assert all(type(before[name]) is torch.nn.Linear for name in plain)
-        for threads_now, rows in ((1, 1), (2, 2)):
-            torch.set_num_threads(threads_now)
-            with decoding.row_reduction_layers(model, rows) as swapped:
-                assert swapped == 0 and all(type(before[name]) is torch.nn.Linear for name in plain)
+        _none_swapped(decoding.row_reduction_layers, model, ((1, 1), (2, 2)), [before[name] for name in plain])
     finally:
         torch.set_num_threads(threads)
