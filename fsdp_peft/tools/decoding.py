@@ -22,7 +22,7 @@ layer shape is timed both ways once per process and number of rows (`weight_firs
 where that orientation wins by `ORIENTATION_MARGIN`: a timed choice, so two processes may differ in it, and in the
 rounding of their products. At one row each plain linear layer computes its outputs as reductions over the weight's
 rows instead (`row_reduction_layers`), one inductor kernel over all the threads where MKL's one-row product runs on
-one (measured on 2 cores, weights out of cache: 1.6x to 2.5x every layer shape of SmolLM2). GPUs and one-thread CPUs
+one (measured on 2 cores, weights out of cache: 1.1x to 2.6x SmolLM2's layer shapes). GPUs and one-thread CPUs
 keep the layers as they are.
 """
 
@@ -262,8 +262,9 @@ def row_reduction_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
     `weight_first_layers`) computes each output of the compiled step as a reduction over its weight's row
     (`row_reduction_product`) for the block; yields how many. A one-row ``x Wᵀ`` runs on one thread in MKL, where
     inductor's kernel for the reduction reads the weight once over all the threads: measured on 2 cores with the
-    weights out of cache, 1.6x to 2.5x each of SmolLM2's layer shapes (the same for all of them: not timed per
-    shape, as the weight-first orientation is)."""
+    weights out of cache, 1.1x (its smallest, 192 x 576) to 2.6x (its output layer) each of SmolLM2's layer shapes
+    (``benchmarks/one_row_products.py``): faster for all of them, so not timed per shape, as the weight-first
+    orientation is."""
     if rows != 1 or not _multi_threaded_cpu(model):
         yield 0
         return

@@ -172,8 +172,8 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
     - a model without FSDP: merged into a new tensor that stands in for the weight for the block, while the copies
       fit in ``budget`` bytes (``None``: no limit); the weight itself is back at exit, bit for bit. A frozen model's
       copies (`is_frozen`) are kept for its next calls and used again while their weight (`MadeFrom`) and adapter
-      (name, scale and values) are what they were made from: memory taken already, they do not count against
-      ``budget``.
+      (name, scale and values) are what they were made from; they count against ``budget`` in each call as new ones
+      do (a kept copy that no longer fits is dropped), so that the copies held never pass it.
     Units not gathered, FSDP1 (its weights gather per forward), XLA (its FSDP swaps weights in at each forward), a
     weight shared with another module (tied embeddings) and 4-bit layers stay unmerged. For the block a merged layer
     steps aside, its base in its place in the parent (unless the LoRA layer is an FSDP unit itself): the forward runs
@@ -196,15 +196,14 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
                 continue
             if in_place:
                 _add_delta(layer, adapter, weight.data, in_place=True)
-            else:  # a kept copy is memory taken already: only new copies count against the budget
+            elif budget is None or used + weight.nbytes <= budget:  # kept copies count too: all held at once
+                used += weight.nbytes
                 copy = _kept_copy(layer, adapter, weight)
-                if copy is None and budget is not None and used + weight.nbytes > budget:
-                    continue
-                if copy is None:
-                    used += weight.nbytes
-                    copy = _merged_copy(layer, adapter, weight, keep=frozen)
+                copy = copy if copy is not None else _merged_copy(layer, adapter, weight, keep=frozen)
                 replaced.append((weight, weight.data))
                 weight.data = copy
+            else:
+                continue
             layer.merged_adapters.append(adapter)
             merged.append(layer)
             # its base computes alone, no adapter code in the forward (not a unit, nor a wrapper of a wrapper)
@@ -230,28 +229,32 @@ def is_frozen(model: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class MadeFrom:
-    """The weight a kept copy was made from, as it was: the parameter, its storage (held here, so that no other
-    tensor can take its address while the copy is kept) and its version counter (an in-place change bumps it)."""
+    """The weight a kept copy was made from, as it was, held weakly (a kept copy does not keep an old weight alive):
+    the parameter, its storage (a storage at the same address later is another object), its view and its version
+    counter (an in-place change through the parameter bumps it; a write through ``.data`` bypasses it, as it bypasses
+    autograd's own checks)."""
 
-    parameter: torch.Tensor
-    data: torch.Tensor
+    parameter: weakref.ref
+    storage: weakref.ref
+    view: tuple
     version: int
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> MadeFrom:
-        return cls(weight, weight.data, weight._version)
+        return cls(weakref.ref(weight), weakref.ref(weight.untyped_storage()), _view(weight), weight._version)
 
     def is_now(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is still the one it was: the same parameter, storage, view and version."""
-        data = weight.data
         return (
-            weight is self.parameter
+            self.parameter() is weight
+            and self.storage() is weight.untyped_storage()
+            and _view(weight) == self.view
             and weight._version == self.version
-            and data.data_ptr() == self.data.data_ptr()
-            and data.shape == self.data.shape
-            and data.stride() == self.data.stride()
-            and data.dtype == self.data.dtype
         )
+
+
+def _view(weight: torch.Tensor) -> tuple:
+    return weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,12 @@ def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_me
     """A model nothing trains (no parameter requires grad, as `fsdp-peft generate` loads it) keeps each call's merged
     copies for the next: the same tensors come back, computing as a fresh merge does, until a weight or adapter
     changes (in place, through ``.data`` behind the version counter, a new tensor in its place, its scale): then that
-    layer merges anew, and its logits follow peft's unmerged forward. A model in training keeps none; a kept copy is
-    not counted against the budget again (it is memory taken already)."""
+    layer merges anew, and its logits follow peft's unmerged forward. A kept copy holds no old weight alive; kept
+    copies count against the budget (one that does not fit is dropped); a model in training keeps none."""
+    import weakref
+
     import torch
+    from peft.tuners.lora.layer import LoraLayer
 
     from fsdp_peft.tools import generation
     from fsdp_peft.tools.generation import adapters_merged
@@ -167,6 +170,9 @@ def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_me
     def copies() -> list:  # held here: a copy dropped by the code under test stays alive, its storage not reused
         return [generation._MERGED_COPIES[layer] for layer in layers]
 
+    def kept(model) -> int:  # the merged copies kept for this model's layers (other tests' models may have some)
+        return sum(module in generation._MERGED_COPIES for module in model.modules())
+
     def merged_call(model, budget=None) -> tuple[int, list[int], torch.Tensor]:
         with adapters_merged(model, budget) as count, torch.no_grad():
             pointers = [weight.data_ptr() for weight in weights]
@@ -174,16 +180,17 @@ def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_me
 
     count, pointers, logits = merged_call(frozen)
     first = copies()
-    assert count == 4 * 7 and len(generation._MERGED_COPIES) == 4 * 7
+    assert count == 4 * 7 and kept(frozen) == 4 * 7
     assert pointers == [copy.merged.data_ptr() for copy in first]
     with torch.no_grad():
         unmerged = frozen(input_ids=ids).logits
     torch.testing.assert_close(logits, unmerged, rtol=0, atol=1e-5)
-    again, again_pointers, kept_logits = merged_call(frozen, budget=0)  # kept copies: not new memory
+    held = sum(module.get_base_layer().weight.nbytes for module in frozen.modules() if isinstance(module, LoraLayer))
+    again, again_pointers, kept_logits = merged_call(frozen, budget=held)  # the kept copies count, and just fit
     assert again == 4 * 7 and again_pointers == pointers and torch.equal(kept_logits, logits)
     assert all(now is before for now, before in zip(copies(), first))
     assert torch.equal(merged_call(training)[2], logits)  # what a fresh merge computes, bit for bit
-    assert not any(module in generation._MERGED_COPIES for module in training.modules())
+    assert kept(training) == 0
     layer = layers[1]
     changes = (
         lambda: layer.lora_B["default"].weight.data.mul_(3),  # behind the version counter: seen by value
@@ -202,9 +209,13 @@ def test_a_frozen_model_keeps_its_merged_weights_while_they_are_what_it_would_me
         torch.testing.assert_close(logits, unmerged, rtol=0, atol=1e-5)
         assert not torch.allclose(logits, kept_logits, atol=1e-3)
         first = now
-    assert merged_call(lora_model(tiny_model_dir).eval().requires_grad_(False), budget=0)[0] == 0
+    replaced = weakref.ref(weights[2].untyped_storage())
+    weights[2].data = weights[2].data.clone()  # the old weight goes: no kept copy holds it
+    assert replaced() is None
+    assert merged_call(frozen, budget=0)[0] == 0 and kept(frozen) == 0  # kept copies count: none fits, all dropped
+    assert merged_call(frozen)[0] == 4 * 7 and kept(frozen) == 4 * 7
     frozen.requires_grad_(True)  # trained from now on: the copies go
-    assert merged_call(frozen)[0] == 4 * 7 and not generation._MERGED_COPIES
+    assert merged_call(frozen)[0] == 4 * 7 and kept(frozen) == 0
 
 
 def test_a_merged_weight_is_the_base_plus_the_scaled_adapter_product(tiny_model_dir):
