@@ -251,7 +251,7 @@ def weight_first_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
     if rows < 2 or not _multi_threaded_cpu(model):
         yield 0
         return
-    faster = functools.partial(_weight_first_is_faster_for, rows=rows)
+    faster = lambda layer: weight_first_is_faster(layer.weight.detach(), rows)  # noqa: E731
     with _classes_swapped(model, faster, weight_first_class, f"multiply weight first at {rows} rows") as swapped:
         yield swapped
 
@@ -274,10 +274,6 @@ def row_reduction_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
 
 def _multi_threaded_cpu(model: torch.nn.Module) -> bool:
     return _device_of(model).type == "cpu" and torch.get_num_threads() >= 2 and not on_xla()
-
-
-def _weight_first_is_faster_for(layer: torch.nn.Module, rows: int) -> bool:
-    return weight_first_is_faster(layer.weight.detach(), rows)
 
 
 @contextlib.contextmanager

@@ -198,10 +198,8 @@ def adapters_merged(model: torch.nn.Module, budget: int | None, kept: list | Non
                 _add_delta(layer, adapter, weight.data, in_place=True)
             elif budget is None or used + weight.nbytes <= budget:  # kept copies count too: all held at once
                 used += weight.nbytes
-                copy = _kept_copy(layer, adapter, weight)
-                copy = copy if copy is not None else _merged_copy(layer, adapter, weight, keep=frozen)
                 replaced.append((weight, weight.data))
-                weight.data = copy
+                weight.data = _merged_weight(layer, adapter, weight, keep=frozen)
             else:
                 continue
             layer.merged_adapters.append(adapter)
@@ -287,25 +285,19 @@ def _equal(kept: torch.Tensor, now: torch.Tensor) -> bool:
 _MERGED_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA layer -> its kept `_MergedCopy`
 
 
-def _kept_copy(layer, adapter: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """``layer``'s merged weight kept from an earlier call where it still equals what a merge would make now; a
-    stale one is dropped."""
-    kept = _MERGED_COPIES.get(layer)
-    if kept is None:
-        return None
-    if kept.still_equal(layer, adapter, weight):
-        return kept.merged
-    del _MERGED_COPIES[layer]
-    return None
-
-
-def _merged_copy(layer, adapter: str, weight: torch.Tensor, keep: bool) -> torch.Tensor:
-    """``weight + s B A`` as a new tensor; kept for later calls where ``keep`` (`_kept_copy`)."""
-    merged = _add_delta(layer, adapter, weight.data)
-    if keep:
+def _merged_weight(layer, adapter: str, weight: torch.Tensor, keep: bool) -> torch.Tensor:
+    """``weight + s B A``: the copy kept from an earlier call where it still equals what a merge would make now (a
+    stale one is dropped), else a new tensor, kept for later calls where ``keep``."""
+    kept = _MERGED_COPIES.pop(layer, None)
+    if kept is None or not kept.still_equal(layer, adapter, weight):
+        merged = _add_delta(layer, adapter, weight.data)
+        if not keep:
+            return merged
         a, b = (tensor.weight.detach().clone() for tensor in (layer.lora_A[adapter], layer.lora_B[adapter]))
-        _MERGED_COPIES[layer] = _MergedCopy(MadeFrom.of(weight), (adapter, layer.scaling[adapter]), a, b, merged)
-    return merged
+        kept = _MergedCopy(MadeFrom.of(weight), (adapter, layer.scaling[adapter]), a, b, merged)
+    if keep:
+        _MERGED_COPIES[layer] = kept
+    return kept.merged
 
 
 def _forget_merged_copies(model: torch.nn.Module, but: list | tuple = ()) -> None:
