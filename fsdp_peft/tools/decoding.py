@@ -22,8 +22,9 @@ layer shape is timed both ways once per process and number of rows (`weight_firs
 where that orientation wins by `ORIENTATION_MARGIN`: a timed choice, so two processes may differ in it, and in the
 rounding of their products. At one row each plain linear layer computes its outputs as reductions over the weight's
 rows instead (`row_reduction_layers`), one inductor kernel over all the threads where MKL's one-row product runs on
-one (measured on 2 cores, weights out of cache: 1.1x to 2.6x SmolLM2's layer shapes). GPUs and one-thread CPUs
-keep the layers as they are.
+one (measured on 2 cores, weights out of cache: 1.1x to 2.6x SmolLM2's layer shapes with AVX512; without it, 0.6x
+and 0.95x its two smallest and 1.2x to 2.4x the rest, 1.25x over a token step). GPUs and one-thread CPUs keep the
+layers as they are.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from fsdp_peft.model.loss import causal_lm_of
 CACHE_BUCKET = 64  # static cache lengths are multiples of this: few graphs, little attention over empty slots
 ORIENTATION_MARGIN = 1.1  # a layer computes (W xᵀ)ᵀ only where that is at least this much faster than x Wᵀ
 _SAID: set[str] = set()
+_RECOMPILE_LIMIT_HIT = "Dynamo recompile limit exceeded"  # how dynamo's count of refusals names a limit met
 _ORIENTATION: dict[tuple, bool] = {}  # (weight shape, dtype, rows, threads): whether (W xᵀ)ᵀ is the faster
 
 
@@ -68,10 +70,12 @@ class Decoding:
         model's quantizer out of transformers' sight (it refuses to compile bitsandbytes' layers, all of them
         dequantized for the call here: `eager_because` found none left); on a CPU, the linear layers faster weight
         first at the call's rows computing so in the compiled step (`weight_first_layers`), at one row each as a
-        reduction over its weight's rows (`row_reduction_layers`)."""
+        reduction over its weight's rows (`row_reduction_layers`). After it, what was compiled is said
+        (`say_graphs_compiled`)."""
         if not self.kwargs:
             yield
             return
+        limits_hit = recompile_limits_hit()
         base = causal_lm_of(model)
         quantizer = getattr(base, "hf_quantizer", None)
         quantizer = quantizer if quantizer is not None and _bitsandbytes_4_bit(quantizer) else None
@@ -87,6 +91,7 @@ class Decoding:
             finally:
                 if quantizer is not None:
                     base.hf_quantizer = quantizer
+        say_graphs_compiled(limits_hit)
 
 
 def decoding_for_call(
@@ -161,10 +166,29 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def say_graphs_compiled() -> None:
+def recompile_limits_hit() -> int:
+    """How many times dynamo has refused to compile a function again in this process, past its recompile limit
+    (``torch._dynamo.config.recompile_limit``): from then on a call of a shape it has no graph for runs eagerly
+    (dynamo's count of that refusal; 0 before any)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters  # lazy: dynamo is loaded only where something compiled
+
+    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith(_RECOMPILE_LIMIT_HIT))
+
+
+def say_graphs_compiled(limits_hit: int = 0) -> None:
     """After a call given the compiled step: one line each time the process's count of compiled graphs grows
-    (recompilation is visible, not silent); none compiled at all says the call decoded eagerly."""
+    (recompilation is visible, not silent); none compiled at all says the call decoded eagerly, and so does a call
+    that met dynamo's recompile limit (`recompile_limits_hit` above ``limits_hit``, its count before the call)."""
     graphs = graphs_compiled()
+    if recompile_limits_hit() > limits_hit:
+        _say_once(
+            "generation decodes eagerly for batch sizes and cache lengths without a graph: dynamo's recompile "
+            f"limit (torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}) met by the "
+            "decode step; fewer distinct batch sizes (a call's last batch may be smaller) or a higher limit keep "
+            "them compiled"
+        )
     if graphs:
         _say_once(f"compiled decode step: {graphs} graphs compiled in this process")
     else:
@@ -262,9 +286,10 @@ def row_reduction_layers(model: torch.nn.Module, rows: int) -> Iterator[int]:
     `weight_first_layers`) computes each output of the compiled step as a reduction over its weight's row
     (`row_reduction_product`) for the block; yields how many. A one-row ``x Wᵀ`` runs on one thread in MKL, where
     inductor's kernel for the reduction reads the weight once over all the threads: measured on 2 cores with the
-    weights out of cache, 1.1x (its smallest, 192 x 576) to 2.6x (its output layer) each of SmolLM2's layer shapes
-    (``benchmarks/one_row_products.py``): faster for all of them, so not timed per shape, as the weight-first
-    orientation is."""
+    weights out of cache (``benchmarks/one_row_products.py``), with AVX512 1.1x (its smallest, 192 x 576) to 2.6x
+    (its output layer) each of SmolLM2's layer shapes; with AVX2 only, 0.6x and 0.95x its two smallest shapes,
+    1.2x to 2.4x the rest, 1.25x over a token step. A rule, not timed per shape as the weight-first orientation is
+    (a timing needs a compiled kernel per shape and the weights out of cache: in cache MKL looks faster than it is)."""
     if rows != 1 or not _multi_threaded_cpu(model):
         yield 0
         return

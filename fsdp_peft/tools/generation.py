@@ -40,7 +40,7 @@ from fsdp_peft.data.formats import Example
 from fsdp_peft.data.templates import render_example_prompt
 from fsdp_peft.model.compiled import eager_layers, four_bit_weight
 from fsdp_peft.parallel.fsdp_layout import is_sharded
-from fsdp_peft.tools.decoding import compiles_here, decoding_for_call, say_graphs_compiled
+from fsdp_peft.tools.decoding import compiles_here, decoding_for_call
 
 
 @dataclass(frozen=True)
@@ -564,8 +564,6 @@ def decode_step(
     decoding = decoding_for_call(model, setting, whole, prompt_length, max_new_tokens, rows)
     with decoding.around_the_call(model, _fsdp2_units(model)):
         yield decoding.kwargs
-    if decoding.kwargs:
-        say_graphs_compiled()
 
 
 def evaluate_exact_match(

@@ -10,6 +10,13 @@ import torch
 from test_generation import lora_model
 
 
+@pytest.fixture(autouse=True)
+def _project_logger_made():
+    """The project's logger made before each test's call: pytest's log capture attaches to the loggers that do not
+    propagate (ours) as they are when a test's call starts, and misses one a first import inside the test makes."""
+    import fsdp_peft.core.log  # noqa: F401  # lazy: as the tests import the package; importing it makes the logger
+
+
 def test_a_call_compiles_over_a_static_cache_of_bucketed_length(tiny_model_dir):
     from fsdp_peft.tools.decoding import CACHE_BUCKET, decoding_for_call
 
@@ -44,6 +51,36 @@ def test_each_reason_to_decode_eagerly_is_said_once(tiny_model_dir, caplog, monk
             assert decoding.decoding_for_call(model, "false", True, 10, 8).kwargs == {}
     lines = [r.getMessage() for r in caplog.records if "decodes eagerly" in r.getMessage()]
     assert lines == ["generation decodes eagerly: generate_compiled: false"]
+
+
+def test_a_call_past_dynamos_recompile_limit_decodes_eagerly_and_says_so(tiny_model_dir, caplog):
+    """dynamo's recompile limit met by the decode step (1 here: one graph, then a call of another batch size): that
+    call decodes eagerly, the eager path's tokens, no graph compiled for it, and one line says why and what keeps it
+    compiled."""
+    from transformers import AutoTokenizer
+
+    from fsdp_peft.tools import decoding
+    from fsdp_peft.tools.generation import GenerationSettings, generate_completions
+
+    model, tokenizer = lora_model(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = ["the cat sat", "a b c"]
+    settings = {"max_new_tokens": 8, "ignore_eos": True}
+    eager = generate_completions(model, tokenizer, prompts, GenerationSettings(**settings, batch_size=2), "cpu")
+    decoding._SAID.clear()
+    one = GenerationSettings(**settings, batch_size=1, compiled="true")
+    generate_completions(model, tokenizer, prompts[:1], one, torch.device("cpu"))
+    hits, graphs = decoding.recompile_limits_hit(), decoding.graphs_compiled()
+    assert graphs > 0
+    two = GenerationSettings(**settings, batch_size=2, compiled="true")
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("INFO", logger="fsdp_peft"):
+        assert generate_completions(model, tokenizer, prompts, two, torch.device("cpu")) == eager
+    assert decoding.recompile_limits_hit() == hits + 1 and decoding.graphs_compiled() == graphs
+    lines = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert lines == [
+        "generation decodes eagerly for batch sizes and cache lengths without a graph: dynamo's recompile limit "
+        "(torch._dynamo.config.recompile_limit = 1) met by the decode step; fewer distinct batch sizes (a call's "
+        "last batch may be smaller) or a higher limit keep them compiled"
+    ]
 
 
 def test_generate_compiled_reads_yaml_booleans_as_the_words():
