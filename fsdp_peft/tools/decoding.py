@@ -159,25 +159,27 @@ def eager_because(model, setting: str, whole: bool) -> str | None:
 
 def graphs_compiled() -> int:
     """The graphs ``torch.compile`` has made in this process (dynamo's count; 0 before any)."""
-    if "torch._dynamo" not in sys.modules:
-        return 0
-    from torch._dynamo.utils import counters  # lazy: dynamo is loaded only where something compiled
-
-    return counters["stats"]["unique_graphs"]
+    return _dynamo_counters().get("stats", {}).get("unique_graphs", 0)
 
 
 def recompile_limits_hit() -> int:
     """How many times dynamo has refused to compile a function again in this process, past its recompile limit
     (``torch._dynamo.config.recompile_limit``): from then on a call of a shape it has no graph for runs eagerly
     (dynamo's count of that refusal; 0 before any)."""
+    refusals = _dynamo_counters().get("unimplemented", {})
+    return sum(n for reason, n in refusals.items() if reason.startswith(_RECOMPILE_LIMIT_HIT))
+
+
+def _dynamo_counters() -> dict:
+    """dynamo's counters of this process (empty where dynamo was never loaded: nothing compiled)."""
     if "torch._dynamo" not in sys.modules:
-        return 0
+        return {}
     from torch._dynamo.utils import counters  # lazy: dynamo is loaded only where something compiled
 
-    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith(_RECOMPILE_LIMIT_HIT))
+    return counters
 
 
-def say_graphs_compiled(limits_hit: int = 0) -> None:
+def say_graphs_compiled(limits_hit: int) -> None:
     """After a call given the compiled step: one line each time the process's count of compiled graphs grows
     (recompilation is visible, not silent); none compiled at all says the call decoded eagerly, and so does a call
     that met dynamo's recompile limit (`recompile_limits_hit` above ``limits_hit``, its count before the call)."""
