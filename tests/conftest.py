@@ -234,6 +234,23 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
     }
 
 
+def held_out_token_loss(model, rows) -> float:
+    """Plain transformers: each tokenized row (``input_ids``, ``labels``) alone through ``model``, the losses of its
+    labelled tokens summed and counted: the held-out tokens' mean cross-entropy, as the recipes define the eval loss
+    (docs/checkpoints.md), computed without them."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].float()
+            labels = torch.tensor(row["labels"][1:])
+            keep = labels != -100
+            total += torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
+            count += int(keep.sum())
+    return total / count
+
+
 def torchrun(script: Path, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
     """Run ``script`` on ``processes`` gloo ranks with torchrun; fails the test if any rank fails."""
     result = run_launch(torchrun_command(str(script), *args, processes=processes))

@@ -120,6 +120,10 @@ class RouterAuxLoss:
         self.count += 1
         return loss - loss_scale * self.weight * aux.to(loss.dtype) * (1 - 1 / accumulation)
 
+    def without_aux(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The cross-entropy part of one forward's ``loss``, as the model computed it (no Trainer scaling)."""
+        return loss if aux is None or not self.weight else loss - self.weight * aux.to(loss.dtype)
+
     def pop_mean(self) -> float | None:
         """The mean aux loss of this rank's forwards since the last call; ``None`` when there were none."""
         if not self.count:

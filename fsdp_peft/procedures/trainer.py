@@ -45,6 +45,7 @@ from fsdp_peft.parallel.cpu_fsdp import (
 from fsdp_peft.parallel.fsdp_layout import FsdpLayoutReport, unit_name
 from fsdp_peft.parallel.sequence_parallel import sequence_parallel_mesh, split_for_training, tokens_counted_once
 from fsdp_peft.parallel.shard import shard
+from fsdp_peft.procedures.eval_loss import HeldOutLoss
 from fsdp_peft.procedures.memory import MemoryReport
 from fsdp_peft.settings.families import family_of_model
 from fsdp_peft.settings.fsdp_settings import fsdp_settings
@@ -219,10 +220,36 @@ class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
         loss_counts_every_ranks_tokens(self, vision)  # a vision-language model's loss: every rank's tokens
         self.router_aux_loss = RouterAuxLoss(router_aux_loss_weight(causal_lm_of(self.model)))
 
+    held_out: HeldOutLoss | None = None  # the evaluation under way, if any
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """Trainer's loop, whose loss figure is replaced by the held-out tokens' mean cross-entropy
+        (`fsdp_peft.procedures.eval_loss`): the same on any number of ranks and for any evaluation batch size."""
+        self.held_out = HeldOutLoss(dataloader)
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix=metric_key_prefix
+            )
+        finally:
+            held_out, self.held_out = self.held_out, None
+        loss = held_out.mean()
+        if loss is not None:
+            output.metrics[f"{metric_key_prefix}_loss"] = loss
+        return output
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training steps take the chunked loss (`fsdp_peft.model.loss`) when ``loss_chunk_tokens`` is set; evaluation,
         which returns logits, keeps the model's own. A MoE router's auxiliary loss counts once per optimizer step
-        (`fsdp_peft.model.moe.RouterAuxLoss`)."""
+        (`fsdp_peft.model.moe.RouterAuxLoss`). In an evaluation the rows accelerate repeats to fill the last batch go
+        unlabelled and each forward's mean token loss, the router's term taken out, is counted (`HeldOutLoss`)."""
+        if self.held_out is not None and not model.training and "labels" in inputs:
+            inputs = self.held_out.without_fill(inputs, self.accelerator.gradient_state)
+            # no item count: the mean over these tokens; a copy, as the label smoother pops the labels
+            loss, outputs = super().compute_loss(model, dict(inputs), True)
+            self.held_out.add(self.router_aux_loss.without_aux(loss, getattr(outputs, "aux_loss", None)), inputs)
+            return (loss, outputs) if return_outputs else loss
         chunked = self.loss_chunk_tokens and not return_outputs and "labels" in inputs and not self.compute_loss_func
         labels, shift_labels = inputs.get("labels"), inputs.get("shift_labels")
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None  # as the model's own loss sees it

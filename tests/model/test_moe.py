@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch_recipe, logged_losses, read_json, run_command, run_launch
+from conftest import REPO, held_out_token_loss, launch_recipe, logged_losses, read_json, run_command, run_launch
 
 STEPS = 5
 SAMPLES = 8
@@ -195,7 +195,16 @@ def test_resumed_from_the_checkpoint_a_killed_run_leaves_the_run_continues_exact
 
 
 def test_the_routers_auxiliary_loss_is_applied_once_per_step_and_logged(tmp_path, tiny_cache):
-    """With accumulation 2 the logged loss is the cross-entropy plus coefficient x aux, not 2 x (Trainer's sum)."""
+    """With accumulation 2 the logged loss is the cross-entropy plus coefficient x aux, not 2 x (Trainer's sum); the
+    eval loss is the held-out cross-entropy alone (docs/checkpoints.md), as plain peft computes it on the adapter."""
+    from transformers import AutoTokenizer
+
+    from fsdp_peft.data.formats import read_examples
+    from fsdp_peft.data.sources import data_files
+    from fsdp_peft.data.tokenize import tokenized_dataset
+    from fsdp_peft.model.paths import tiny_model_path
+    from fsdp_peft.settings.config import RecipeArguments
+
     common = ["--max_steps", "2", "--logging_steps", "1", "--generate_samples", "0", "--generate_eval_samples", "0"]
     common += ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
     logs = {}
@@ -208,6 +217,15 @@ def test_the_routers_auxiliary_loss_is_applied_once_per_step_and_logged(tmp_path
     first_off, first_on = logs["0"][0], logs["0.5"][0]
     assert "aux_loss" not in first_off and first_on["aux_loss"] > 1.0  # top-2 of 8: balanced is 1, at least
     assert first_on["loss"] - first_off["loss"] == pytest.approx(0.5 * first_on["aux_loss"], abs=2e-4)
+    run = {"model": "tiny-mixtral", "dir": tmp_path / "0.5"}
+    recipe = RecipeArguments(max_seq_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(run["model"]))
+    _, eval_path = data_files(recipe)
+    rows = tokenized_dataset(read_examples(eval_path), tokenizer, recipe, eval_path)
+    reference = held_out_token_loss(_trained(run), rows)
+    evaluated = read_json(run["dir"] / "results.json")["eval_loss"]
+    print(f"mixtral_lora, router_aux_loss_coef 0.5: eval loss {evaluated:.6f}, plain peft {reference:.6f}")
+    assert evaluated == pytest.approx(reference, rel=1e-5)
 
 
 # QLoRA: the experts in 4 bits (fsdp_peft.model.moe_quantization). bf16 compute, so 16 rows a rank as the dense QLoRA

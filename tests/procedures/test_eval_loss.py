@@ -1,0 +1,64 @@
+"""The eval loss is the held-out tokens' mean cross-entropy, whatever the ranks and the evaluation batch size.
+
+Rows whose completions differ in length, 5 of them, evaluated in batches of 2 on 2 ranks (accelerate fills the last
+batch of each rank with 3 repeated rows) and in batches of 3 in one process: each run's figure against plain
+transformers + peft on the adapter it saved, one row at a time, summing token losses and counting tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import held_out_token_loss, launch_recipe, read_json
+from fsdp_peft.data.formats import read_examples
+from fsdp_peft.data.tokenize import IGNORE_INDEX, tokenized_dataset
+from fsdp_peft.settings.config import RecipeArguments
+
+pytestmark = pytest.mark.slow
+
+WORDS = ["ab", "qwertyuiopas", "mnbv", "zxcvbnmlk", "e", "poiuy", "lkjhgfdsaqw", "rt"]
+HELD_OUT = ["ty", "plmoknijbuhv", "wsxe", "dcrfvtgby", "u"]  # completions of 2 to 12 tokens: batch means would differ
+ARGS = ["--max_steps", "1", "--generate_samples", "0", "--generate_eval_samples", "0", "--save_strategy", "no"]
+
+
+@pytest.fixture(scope="module")
+def rows_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uneven_rows")
+    for name, words in (("train", WORDS * 4), ("eval", HELD_OUT)):
+        lines = [json.dumps({"prompt": f"reverse: {w}", "completion": w[::-1]}) for w in words]
+        (directory / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (1, 3)], ids=["2-ranks-batches-of-2", "one-process-batches-of-3"])
+def run(request, rows_dir, tmp_path_factory):
+    ranks, batch = request.param
+    output_dir = tmp_path_factory.mktemp(f"eval_loss_{ranks}")
+    overrides = ["--dataset", str(rows_dir), "--per_device_train_batch_size", str(16 // ranks)]
+    overrides += ["--per_device_eval_batch_size", str(batch), "--output_dir", str(output_dir), *ARGS]
+    launch_recipe("llama_lora", *overrides, processes=ranks)
+    return output_dir
+
+
+def _reference(adapter, model_dir, rows_dir) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    path = rows_dir / "eval.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = tokenized_dataset(read_examples(path), tokenizer, RecipeArguments(max_seq_length=64), path)
+    labelled = sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in rows)
+    assert labelled == sum(map(len, HELD_OUT)) + len(HELD_OUT)  # each reversed word and its end of turn
+    return held_out_token_loss(model, rows)
+
+
+def test_the_eval_loss_is_the_held_out_tokens_mean_loss(run, rows_dir, tiny_model_dir):
+    results = read_json(run / "results.json")
+    reference = _reference(run / "adapter", tiny_model_dir, rows_dir)
+    print(f"{run.name}: eval loss {results['eval_loss']:.7f}, plain peft row by row {reference:.7f}")
+    assert abs(results["eval_loss"] - reference) <= 1e-5 * reference, (results["eval_loss"], reference)
