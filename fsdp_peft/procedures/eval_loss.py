@@ -11,6 +11,8 @@ for real, and adds them up over the ranks at the end: the loss of the whole held
 it in one batch. Which rows are fill follows from accelerate's own numbers, read as ``gather_for_metrics`` reads them:
 the last global batch holds ``remainder`` held-out rows, then the fill, and each rank holds the slice of it at its
 data-parallel index. A sequence group's ranks hold slices of the same rows; their sums add up to each row once.
+Where only the loss leaves the step (the recipes' evaluations) and the batch is text rows, the fill rows are not run
+at all; a rank left with none of the set's rows runs one row, unlabelled, since FSDP needs every rank's forward.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import torch
 from fsdp_peft.core.distributed import gathered_from_every_rank
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 
+TEXT_ROWS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids", "token_type_ids")
+
 
 class HeldOutLoss:
     """One evaluation's token-loss sum and token count on this rank; `mean` adds them over the ranks."""
 
-    def __init__(self, dataloader):
+    def __init__(self, dataloader, drops_fill: bool = False):
         sampler = getattr(dataloader, "batch_sampler", None)
         ranks = getattr(sampler, "num_processes", 1)
         per_rank = getattr(sampler, "batch_size", None) or getattr(dataloader, "batch_size", 1)
         self.position = getattr(sampler, "process_index", 0)  # the data-parallel index: a slice of each batch
         self.rows_per_rank = per_rank // ranks if getattr(sampler, "split_batches", False) else per_rank
+        self.drops_fill = drops_fill  # nothing but the loss leaves the step: fill rows need not run
         self.total, self.tokens = 0.0, 0  # this rank's sum of token losses (float64) and labelled tokens
 
     def rows_held(self, rows: int, gradient_state) -> int:
@@ -40,17 +45,23 @@ class HeldOutLoss:
         return max(0, min(rows, remainder - self.position * self.rows_per_rank))
 
     def without_fill(self, inputs: dict, gradient_state) -> dict:
-        """``inputs`` with the labels of the fill rows ignored (the rows still run: every rank forwards alike)."""
+        """``inputs`` without their fill rows: dropped where the step returns only its loss and every tensor holds text
+        rows (a rank left with fill alone runs one row, unlabelled: every rank must still forward), else unlabelled
+        (images and other inputs need not be laid out by row)."""
         rows = inputs["labels"].shape[0]
         held = self.rows_held(rows, gradient_state)
         if held == rows:
             return inputs
-        masked = dict(inputs)
+        tensors = {key: value for key, value in inputs.items() if torch.is_tensor(value)}  # and flags: use_cache
+        by_row = all(key in TEXT_ROWS and value.shape[:1] == (rows,) for key, value in tensors.items())
+        kept = dict(inputs)
+        if self.drops_fill and by_row:
+            kept.update({key: value[: max(held, 1)] for key, value in tensors.items()})
         for key in ("labels", "shift_labels"):
-            if key in inputs:
-                masked[key] = inputs[key].clone()
-                masked[key][held:] = IGNORE_INDEX
-        return masked
+            if key in kept and kept[key].shape[0] > held:
+                kept[key] = kept[key].clone()
+                kept[key][held:] = IGNORE_INDEX
+        return kept
 
     def add(self, mean_loss: torch.Tensor, inputs: dict) -> None:
         """One forward's loss, the mean over the tokens it counted: the labels the model shifts, or the shifted

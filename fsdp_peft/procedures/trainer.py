@@ -227,7 +227,8 @@ class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
     ):
         """Trainer's loop, whose loss figure is replaced by the held-out tokens' mean cross-entropy
         (`fsdp_peft.procedures.eval_loss`): the same on any number of ranks and for any evaluation batch size."""
-        self.held_out = HeldOutLoss(dataloader)
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        self.held_out = HeldOutLoss(dataloader, drops_fill=loss_only and "inputs" not in self.args.include_for_metrics)
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix=metric_key_prefix

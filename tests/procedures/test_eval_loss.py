@@ -1,8 +1,9 @@
 """The eval loss is the held-out tokens' mean cross-entropy, whatever the ranks and the evaluation batch size.
 
 Rows whose completions differ in length, 5 of them, evaluated in batches of 2 on 2 ranks (accelerate fills the last
-batch of each rank with 3 repeated rows) and in batches of 3 in one process: each run's figure against plain
-transformers + peft on the adapter it saved, one row at a time, summing token losses and counting tokens.
+batch of each rank with 3 repeated rows), on 4 ranks with each row split over 2 (the same 2 data-parallel slices) and
+in batches of 3 in one process: each run's figure against plain transformers + peft on the adapter it saved, one row
+at a time, summing token losses and counting tokens.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ def rows_dir(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (1, 3)], ids=["2-ranks-batches-of-2", "one-process-batches-of-3"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, 1, 2), (4, 2, 2), (1, 1, 3)],
+    ids=["2-ranks-batches-of-2", "4-ranks-rows-split-over-2-batches-of-2", "one-process-batches-of-3"],
+)
 def run(request, rows_dir, tmp_path_factory):
-    ranks, batch = request.param
+    """(ranks, sequence_parallel_size, per_device_eval_batch_size): 16 training rows a step in each."""
+    ranks, split, batch = request.param
     output_dir = tmp_path_factory.mktemp(f"eval_loss_{ranks}")
-    overrides = ["--dataset", str(rows_dir), "--per_device_train_batch_size", str(16 // ranks)]
-    overrides += ["--per_device_eval_batch_size", str(batch), "--output_dir", str(output_dir), *ARGS]
-    launch_recipe("llama_lora", *overrides, processes=ranks)
+    overrides = ["--dataset", str(rows_dir), "--per_device_train_batch_size", str(16 * split // ranks)]
+    overrides += ["--sequence_parallel_size", str(split), "--per_device_eval_batch_size", str(batch)]
+    launch_recipe("llama_lora", *overrides, "--output_dir", str(output_dir), *ARGS, processes=ranks)
     return output_dir
 
 
