@@ -34,9 +34,11 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -52,6 +54,7 @@ CACHE_BUCKET = 64  # static cache lengths are multiples of this: few graphs, lit
 ORIENTATION_MARGIN = 1.1  # a layer computes (W xᵀ)ᵀ only where that is at least this much faster than x Wᵀ
 _SAID: set[str] = set()
 _RECOMPILE_LIMIT_HIT = "Dynamo recompile limit exceeded"  # how dynamo's count of refusals names a limit met
+_LIMIT_MET = re.compile(r"exceeding the (\w+) cache size limit \(currently set to (\d+)\)")  # and which limit
 _ORIENTATION: dict[tuple, bool] = {}  # (weight shape, dtype, rows, threads): whether (W xᵀ)ᵀ is the faster
 
 
@@ -75,7 +78,7 @@ class Decoding:
         if not self.kwargs:
             yield
             return
-        limits_hit = recompile_limits_hit()
+        limits_met = recompile_limits_met()
         base = causal_lm_of(model)
         quantizer = getattr(base, "hf_quantizer", None)
         quantizer = quantizer if quantizer is not None and _bitsandbytes_4_bit(quantizer) else None
@@ -91,7 +94,7 @@ class Decoding:
             finally:
                 if quantizer is not None:
                     base.hf_quantizer = quantizer
-        say_graphs_compiled(limits_hit)
+        say_graphs_compiled(limits_met)
 
 
 def decoding_for_call(
@@ -162,12 +165,17 @@ def graphs_compiled() -> int:
     return _dynamo_counters().get("stats", {}).get("unique_graphs", 0)
 
 
-def recompile_limits_hit() -> int:
-    """How many times dynamo has refused to compile a function again in this process, past its recompile limit
-    (``torch._dynamo.config.recompile_limit``): from then on a call of a shape it has no graph for runs eagerly
-    (dynamo's count of that refusal; 0 before any)."""
-    refusals = _dynamo_counters().get("unimplemented", {})
-    return sum(n for reason, n in refusals.items() if reason.startswith(_RECOMPILE_LIMIT_HIT))
+def recompile_limits_met() -> Counter[str]:
+    """dynamo's refusals to compile again in this process by the limit each met, as its setting reads:
+    ``torch._dynamo.config.recompile_limit = 8`` (a function's graphs) or ``...accumulated_recompile_limit = 256``
+    (all of them)."""
+    met: Counter[str] = Counter()
+    for reason, n in _dynamo_counters().get("unimplemented", {}).items():
+        if reason.startswith(_RECOMPILE_LIMIT_HIT):
+            found = _LIMIT_MET.search(reason)
+            name, value = found.groups() if found else ("recompile_limit", torch._dynamo.config.recompile_limit)
+            met[f"torch._dynamo.config.{name} = {value}"] += n
+    return met
 
 
 def _dynamo_counters() -> dict:
@@ -179,17 +187,17 @@ def _dynamo_counters() -> dict:
     return counters
 
 
-def say_graphs_compiled(limits_hit: int) -> None:
+def say_graphs_compiled(limits_met: Counter[str]) -> None:
     """After a call given the compiled step: one line each time the process's count of compiled graphs grows
     (recompilation is visible, not silent); none compiled at all says the call decoded eagerly, and so does a call
-    that met dynamo's recompile limit (`recompile_limits_hit` above ``limits_hit``, its count before the call)."""
+    that met one of dynamo's recompile limits (`recompile_limits_met` beyond ``limits_met``, its count before the
+    call), naming it."""
     graphs = graphs_compiled()
-    if recompile_limits_hit() > limits_hit:
+    if met := recompile_limits_met() - limits_met:
         _say_once(
             "generation decodes eagerly for batch sizes and cache lengths without a graph: dynamo's recompile "
-            f"limit (torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}) met by the "
-            "decode step; fewer distinct batch sizes (a call's last batch may be smaller) or a higher limit keep "
-            "them compiled"
+            f"limit ({', '.join(sorted(met))}) met by the decode step; fewer distinct batch sizes (a call's last "
+            "batch may be smaller) or a higher limit keep them compiled"
         )
     if graphs:
         _say_once(f"compiled decode step: {graphs} graphs compiled in this process")

@@ -53,15 +53,17 @@ def test_each_reason_to_decode_eagerly_is_said_once(tiny_model_dir, caplog, monk
     assert lines == ["generation decodes eagerly: generate_compiled: false"]
 
 
-def test_a_call_past_dynamos_recompile_limit_decodes_eagerly_and_says_so(tiny_model_dir, caplog):
-    """dynamo's recompile limit met by the decode step (1 here: one graph, then a call of another batch size): that
-    call decodes eagerly, the eager path's tokens, no graph compiled for it, and one line says why and what keeps it
-    compiled."""
+@pytest.mark.parametrize("limit", ["recompile_limit", "accumulated_recompile_limit"])
+def test_a_call_past_dynamos_recompile_limit_decodes_eagerly_and_says_so(tiny_model_dir, caplog, limit):
+    """One of dynamo's recompile limits met by the decode step (1 here: one graph, then a call of another batch size):
+    that call decodes eagerly, the eager path's tokens, no graph compiled for it, and one line says which limit was
+    met and what keeps it compiled."""
     from transformers import AutoTokenizer
 
     from fsdp_peft.tools import decoding
     from fsdp_peft.tools.generation import GenerationSettings, generate_completions
 
+    torch._dynamo.reset()  # no graphs of an earlier test: the first call below compiles, the second meets the limit
     model, tokenizer = lora_model(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = ["the cat sat", "a b c"]
     settings = {"max_new_tokens": 8, "ignore_eos": True}
@@ -69,17 +71,18 @@ def test_a_call_past_dynamos_recompile_limit_decodes_eagerly_and_says_so(tiny_mo
     decoding._SAID.clear()
     one = GenerationSettings(**settings, batch_size=1, compiled="true")
     generate_completions(model, tokenizer, prompts[:1], one, torch.device("cpu"))
-    hits, graphs = decoding.recompile_limits_hit(), decoding.graphs_compiled()
+    met, graphs = decoding.recompile_limits_met(), decoding.graphs_compiled()
     assert graphs > 0
     two = GenerationSettings(**settings, batch_size=2, compiled="true")
-    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("INFO", logger="fsdp_peft"):
+    with torch._dynamo.config.patch({limit: 1}), caplog.at_level("INFO", logger="fsdp_peft"):
         assert generate_completions(model, tokenizer, prompts, two, torch.device("cpu")) == eager
-    assert decoding.recompile_limits_hit() == hits + 1 and decoding.graphs_compiled() == graphs
+    setting = f"torch._dynamo.config.{limit} = 1"
+    assert decoding.recompile_limits_met() - met == {setting: 1} and decoding.graphs_compiled() == graphs
     lines = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
     assert lines == [
         "generation decodes eagerly for batch sizes and cache lengths without a graph: dynamo's recompile limit "
-        "(torch._dynamo.config.recompile_limit = 1) met by the decode step; fewer distinct batch sizes (a call's "
-        "last batch may be smaller) or a higher limit keep them compiled"
+        f"({setting}) met by the decode step; fewer distinct batch sizes (a call's last batch may be smaller) or a "
+        "higher limit keep them compiled"
     ]
 
 
