@@ -246,10 +246,12 @@ class PeftFsdpTrainer(PeftFsdpMixin, Trainer):
         (`fsdp_peft.model.moe.RouterAuxLoss`). In an evaluation the rows accelerate repeats to fill the last batch go
         unlabelled and each forward's mean token loss, the router's term taken out, is counted (`HeldOutLoss`)."""
         if self.held_out is not None and not model.training and "labels" in inputs:
-            inputs = self.held_out.without_fill(inputs, self.accelerator.gradient_state)
+            inputs = self.held_out.without_fill(inputs)
             # no item count: the mean over these tokens; a copy, as the label smoother pops the labels
             loss, outputs = super().compute_loss(model, dict(inputs), True)
-            self.held_out.add(self.router_aux_loss.without_aux(loss, getattr(outputs, "aux_loss", None)), inputs)
+            model_loss = self.label_smoother is None and self.compute_loss_func is None  # with the router's term
+            aux = getattr(outputs, "aux_loss", None) if model_loss else None
+            self.held_out.add(self.router_aux_loss.without_aux(loss, aux), inputs)
             return (loss, outputs) if return_outputs else loss
         chunked = self.loss_chunk_tokens and not return_outputs and "labels" in inputs and not self.compute_loss_func
         labels, shift_labels = inputs.get("labels"), inputs.get("shift_labels")
