@@ -70,7 +70,11 @@ from fsdp_peft.model.variants import (
 from fsdp_peft.model.vision import auto_model_class, is_vision_config
 from fsdp_peft.parallel.cpu_fsdp import USE_PARALLELISM_CONFIG
 from fsdp_peft.parallel.fsdp_policies import decoder_layer_classes
-from fsdp_peft.parallel.sequence_parallel import sequence_split_fits_the_model, sequence_split_runs_here
+from fsdp_peft.parallel.sequence_parallel import (
+    sequence_split_fits_the_model,
+    sequence_split_keeps_the_models_loss,
+    sequence_split_runs_here,
+)
 from fsdp_peft.settings.checkpointing import CHECKPOINTING_KEYS
 from fsdp_peft.settings.choices import (
     COMPILED_CHOICES,
@@ -771,6 +775,7 @@ RULES: dict[Callable, Callable[[object], bool]] = {
     _eval_tasks_are_harness_tasks: every,
     sequence_split_runs_here: every,
     sequence_split_fits_the_model: every,
+    sequence_split_keeps_the_models_loss: every,
     _vision_keys_fit_the_model: every,
 }
 
