@@ -20,6 +20,7 @@ from fsdp_peft.core.xla import on_xla
 from fsdp_peft.data.tokenize import IGNORE_INDEX
 from fsdp_peft.model.attention import chosen_attention, model_class_named
 from fsdp_peft.settings.config import RecipeArguments
+from fsdp_peft.settings.fsdp_settings import RuleContext
 
 
 def pack(rows: Dataset, max_seq_length: int, seed: int) -> Dataset:
@@ -101,6 +102,19 @@ def data_collator(recipe: RecipeArguments, tokenizer):
             tokenizer, label_pad_token_id=IGNORE_INDEX, padding="max_length", max_length=recipe.max_seq_length
         )
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
+
+
+def packed_rows_keep_their_order(context: RuleContext) -> str | None:
+    """Packed rows are not grouped by length: they are all about ``max_seq_length`` long, and an evaluation that joins
+    them for a variable-length kernel (`FlattenedCollator`) finds the rows of its last batch by their order in the set
+    (`fsdp_peft.procedures.eval_loss`), which Trainer's length-grouped sampler would change."""
+    strategy = context.training.get("train_sampling_strategy")
+    if not context.recipe.packing or strategy != "group_by_length":
+        return None
+    return (
+        "packing: true with train_sampling_strategy: group_by_length: packed rows are all about max_seq_length long, "
+        "there is nothing to group, and the evaluation reads them in order; remove train_sampling_strategy"
+    )
 
 
 def check_packing_keeps_examples_apart(model) -> None:

@@ -48,7 +48,7 @@ class HeldOutLoss:
         self.last_step = len(dataloader) - 1 if known else -1
         self.step = -1
         self.drops_fill = drops_fill  # nothing but the loss leaves the step: fill rows need not run
-        self.total: torch.Tensor | float = 0.0  # this rank's sum of token losses, on the device until `mean`
+        self.total: torch.Tensor | float = 0.0  # this rank's sum of token losses (float64 where the device has it)
         self.tokens: torch.Tensor | int = 0  # and its labelled tokens
 
     def rows_held(self, rows: int) -> int:
@@ -70,8 +70,11 @@ class HeldOutLoss:
                 return inputs
             first = (self.last_step * self.ranks + self.position) * self.rows_per_rank  # this rank's, in the set
             end = sum(len(self.rows[first + i]["input_ids"]) for i in range(held))
-            kept = dict(inputs, labels=inputs["labels"].clone())
-            kept["labels"][:, end:] = IGNORE_INDEX
+            kept = dict(inputs)
+            for key in ("labels", "shift_labels"):
+                if key in kept:
+                    kept[key] = kept[key].clone()
+                    kept[key][:, end:] = IGNORE_INDEX
             return kept
         held = self.rows_held(rows)
         if held == rows:
@@ -93,7 +96,8 @@ class HeldOutLoss:
         targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
         tokens = (targets != IGNORE_INDEX).sum()
         # a rank with only fill rows, or a row slice without labels, has a NaN mean: it adds nothing
-        self.total = self.total + torch.where(tokens > 0, mean_loss.detach().float() * tokens, 0.0)
+        exact = torch.float64 if mean_loss.device.type in ("cpu", "cuda") else torch.float32  # XLA, MPS: no float64
+        self.total = self.total + torch.where(tokens > 0, mean_loss.detach().to(exact) * tokens, 0.0)
         self.tokens = self.tokens + tokens
 
     def mean(self) -> float | None:

@@ -31,6 +31,7 @@ from fsdp_peft.core.safetensors_io import parse_size
 from fsdp_peft.core.unreachable_hub import out_of_reach_noted
 from fsdp_peft.core.xla import DEVICE_VARIABLE, gpu_only_fsdp_keys, on_xla, torch_xla_installed
 from fsdp_peft.data.formats import DATA_FORMATS, source_examples
+from fsdp_peft.data.packing import packed_rows_keep_their_order
 from fsdp_peft.data.sources import DATA_EXTENSIONS, data_files_in, data_sources, is_local_path, read_source
 from fsdp_peft.data.tokenize import TRUNCATIONS, nothing_left_to_train_on
 from fsdp_peft.model.attention import architecture_problem, attention_problem, model_class_named
@@ -776,6 +777,7 @@ RULES: dict[Callable, Callable[[object], bool]] = {
     sequence_split_runs_here: every,
     sequence_split_fits_the_model: every,
     sequence_split_keeps_the_models_loss: every,
+    packed_rows_keep_their_order: every,
     _vision_keys_fit_the_model: every,
 }
 

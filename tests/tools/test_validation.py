@@ -87,6 +87,13 @@ CASES = {
         "sequence_parallel_size: 2 with label_smoothing_factor: 0.1: Trainer's label smoother shifts the labels "
         "again, which a split row carries shifted already; set label_smoothing_factor: 0, or sequence_parallel_size: 1",
     ),
+    "packed_rows_keep_their_order": (
+        LORA_TINY,
+        {},
+        ["--packing", "true", "--train_sampling_strategy", "group_by_length"],
+        "packing: true with train_sampling_strategy: group_by_length: packed rows are all about max_seq_length long, "
+        "there is nothing to group, and the evaluation reads them in order; remove train_sampling_strategy",
+    ),
     "expert_adapters_have_no_dropout": (
         MOE_TINY,
         {},
