@@ -70,12 +70,7 @@ class HeldOutLoss:
                 return inputs
             first = (self.last_step * self.ranks + self.position) * self.rows_per_rank  # this rank's, in the set
             end = sum(len(self.rows[first + i]["input_ids"]) for i in range(held))
-            kept = dict(inputs)
-            for key in ("labels", "shift_labels"):
-                if key in kept:
-                    kept[key] = kept[key].clone()
-                    kept[key][:, end:] = IGNORE_INDEX
-            return kept
+            return _unlabelled(dict(inputs), (slice(None), slice(end, None)))
         held = self.rows_held(rows)
         if held == rows:
             return inputs
@@ -84,11 +79,7 @@ class HeldOutLoss:
         kept = dict(inputs)
         if self.drops_fill and by_row:
             kept.update({key: value[: max(held, 1)] for key, value in tensors.items()})
-        for key in ("labels", "shift_labels"):
-            if key in kept and kept[key].shape[0] > held:
-                kept[key] = kept[key].clone()
-                kept[key][held:] = IGNORE_INDEX
-        return kept
+        return _unlabelled(kept, slice(held, None))
 
     def add(self, mean_loss: torch.Tensor, inputs: dict) -> None:
         """One forward's loss, the mean over the tokens it counted: the labels the model shifts, or the shifted
@@ -105,3 +96,12 @@ class HeldOutLoss:
         counted = gathered_from_every_rank((float(self.total), int(self.tokens)))
         tokens = sum(n for _, n in counted)
         return sum(total for total, _ in counted) / tokens if tokens else None
+
+
+def _unlabelled(inputs: dict, fill) -> dict:
+    """``inputs`` with the labels (and a split row's shifted labels) at index ``fill`` ignored, on copies."""
+    for key in ("labels", "shift_labels"):
+        if key in inputs:
+            inputs[key] = inputs[key].clone()
+            inputs[key][fill] = IGNORE_INDEX
+    return inputs
