@@ -60,6 +60,17 @@ def tiny_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_products_as_the_runs_compute() -> None:
+    """The test processes multiply bf16 matrices as the runs they launch do: on a CPU without native bf16 products
+    in fp32, rounded once (`fsdp_peft.core._compat.torch_patches.cpu_bf16_products_in_fp32`, which a bf16 run on
+    such a CPU installs when it loads its model). Installed at the start, so no test's figures depend on whether an
+    earlier test of its process loaded a bf16 model; a CPU with native bf16 products is left as it is."""
+    from fsdp_peft.core._compat.torch_patches import cpu_bf16_products_in_fp32
+
+    cpu_bf16_products_in_fp32()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cache) -> Path:
     from fsdp_peft.model.paths import tiny_model_path

@@ -29,6 +29,7 @@ from fsdp_peft.core._compat.peft_patches import (
     peft_wrapped,
     trainable_tokens_through_the_base_layer,
 )
+from fsdp_peft.core._compat.torch_patches import cpu_bf16_products_in_fp32
 from fsdp_peft.core.dtypes import trainable_dtypes_kept
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
@@ -180,6 +181,7 @@ def load_base_model(recipe: RecipeArguments, training: TrainingArguments | None 
         model.set_attn_implementation(attention)
     if device.type == "cpu":
         disable_cpu_weight_repacking(model)
+        bf16_products_prepared(model, training)
     record_of(model).initial_adapter_file = initial_adapter
     if recipe.load_in_4bit:  # a mixture of experts: its experts too (transformers quantizes Linear layers only)
         record_of(model).quantized_experts = quantize_experts(model, FourBit.of(recipe), device)
@@ -241,6 +243,20 @@ def lora_config(recipe: RecipeArguments, model: PreTrainedModel, shapes_only: bo
 
 
 disable_cpu_weight_repacking = cpu_weight_repacking_disabled  # the patch lives in the compat layer
+
+
+def bf16_products_prepared(model: torch.nn.Module, training: TrainingArguments | None = None) -> None:
+    """For ``model`` on CPU computing in bf16 (bf16 weights, a 4-bit compute dtype of bf16, or bf16 mixed
+    precision): its products computed in fp32 and rounded once where the CPU has no native bf16 products
+    (`fsdp_peft.core._compat.torch_patches.cpu_bf16_products_in_fp32`), said in one line the first time."""
+    bf16 = training is not None and training.bf16
+    bf16 = bf16 or any(p.dtype == torch.bfloat16 for p in model.parameters())
+    bf16 = bf16 or any(getattr(m, "compute_dtype", None) == torch.bfloat16 for m in model.modules())
+    if bf16 and cpu_bf16_products_in_fp32():
+        logger.info(
+            "CPU without native bf16 matrix products (oneDNN's AVX512/AMX bf16 GEMM): bf16 products run as fp32 "
+            "products of the same values, rounded once, as a GPU's bf16 GEMM accumulates (7-8x faster here)"
+        )
 
 
 def attach_lora(model: PreTrainedModel, recipe: RecipeArguments, training: TrainingArguments):

@@ -31,7 +31,12 @@ from fsdp_peft.data.templates import render_prompt
 from fsdp_peft.data.vision_rows import open_image, processor_inputs
 from fsdp_peft.model.adapter_files import ADAPTER_SOURCES, RECIPE_FILE, check_trained_base, find_adapter, resolve_base
 from fsdp_peft.model.model_record import record_of
-from fsdp_peft.model.modeling import disable_cpu_weight_repacking, load_base_model, local_device
+from fsdp_peft.model.modeling import (
+    bf16_products_prepared,
+    disable_cpu_weight_repacking,
+    load_base_model,
+    local_device,
+)
 from fsdp_peft.model.moe_quantization import dequantize_in_forward
 from fsdp_peft.model.new_tokens import grow_vocabulary, tokenizer_directory
 from fsdp_peft.model.tiny_vision import load_processor
@@ -86,6 +91,8 @@ def load_for_generation(
             )
         auto_class = auto_model_class(AutoConfig.from_pretrained(source))
         model = auto_class.from_pretrained(source, dtype="auto", device_map={"": device})
+        if device.type == "cpu":
+            bf16_products_prepared(model)
         recipe = json.loads((source / RECIPE_FILE).read_text()) if (source / RECIPE_FILE).is_file() else {}
         chat = recipe.get("use_chat_template")
         return LoadedModel(model, _tokenizer(AutoTokenizer.from_pretrained(source)), chat, f"merged model {source}")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, last_json_line, run_command, torchrun
-from fsdp_peft.core._compat import bitsandbytes_patches, gate, peft_patches, registry
+from fsdp_peft.core._compat import bitsandbytes_patches, gate, peft_patches, registry, torch_patches
 from fsdp_peft.core._compat.registry import (
     PATCHES,
     TRL_VERIFIED,
@@ -341,3 +341,89 @@ def test_a_rank_imports_no_compiler_and_bitsandbytes_kernels_still_compile_and_m
     with mock.patch.dict(os.environ, {"TORCH_COMPILE_DISABLE": "1"}):
         result = run_command([sys.executable, str(script)])
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+BF16_PRODUCTS = {  # op: operands (bf16 where they are to be multiplied), keyword arguments
+    "mm": (((48, 96), (96, 40)), {}),
+    "addmm": (((40,), (48, 96), (96, 40)), {"beta": 0.5, "alpha": 2.0}),
+    "bmm": (((3, 48, 96), (3, 96, 40)), {}),
+    "baddbmm": (((3, 48, 40), (3, 48, 96), (3, 96, 40)), {"beta": 0.5, "alpha": 2.0}),
+}
+
+
+@pytest.mark.parametrize("writes_out", [False, True], ids=["returned", "out"])
+@pytest.mark.parametrize("op", BF16_PRODUCTS)
+def test_bf16_products_in_fp32_are_float64s_product_rounded_once(op, writes_out):
+    """The replacement kernels (installed only on CPUs without native bf16 products, built here on any CPU from
+    aten's own kernels) against a reference that is no kernel of theirs: the float64 product of the same bf16
+    values, rounded to bf16. Every result equal to it or one bf16 step away (the fp32 sums' order), nearly all
+    equal, and as often as aten's own bf16 kernel on the same operands; fp32 operands get aten's own result,
+    bitwise, and mixed dtypes aten's own error."""
+    shapes, options = BF16_PRODUCTS[op]
+    name = f"{op}.out" if writes_out else op
+    original = torch.library.get_kernel(f"aten::{name}", "CPU")
+    kernel, keys = torch_patches._in_fp32(original, writes_out), torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    generator = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+
+    def run(run_kernel, *tensors):
+        if not writes_out:
+            return (
+                run_kernel.call_boxed(keys, *tensors, **options)
+                if run_kernel is original
+                else run_kernel(keys, *tensors, **options)
+            )
+        out = torch.empty(0, dtype=tensors[0].dtype)
+        call = original.call_boxed if run_kernel is original else run_kernel
+        returned = call(keys, *tensors, **options, out=out)
+        assert returned.data_ptr() == out.data_ptr()
+        return out
+
+    ours = run(kernel, *operands)
+    reference = getattr(torch, op)(*(t.double() for t in operands), **options).bfloat16()
+    assert ours.dtype == torch.bfloat16 and ours.shape == reference.shape
+    step = torch.finfo(torch.bfloat16).eps * reference.float().abs()  # one bf16 step at the result's size
+    assert ((ours.float() - reference.float()).abs() <= step).all()
+    native = run(original, *operands)
+    equal, native_equal = (ours == reference).float().mean().item(), (native == reference).float().mean().item()
+    assert equal >= 0.999 and equal >= native_equal - 1e-3, (equal, native_equal)
+    single = [t.float() for t in operands]
+    assert torch.equal(run(kernel, *single), run(original, *single))
+    mixed = [operands[0].float(), *operands[1:]]
+    with pytest.raises(RuntimeError) as ours_error:
+        run(kernel, *mixed)
+    with pytest.raises(RuntimeError) as aten_error:
+        run(original, *mixed)
+    assert str(ours_error.value) == str(aten_error.value)
+
+
+def test_a_bf16_model_on_cpu_gets_fp32_products_only_where_the_cpu_has_none_of_its_own():
+    """In a fresh process: an fp32 model installs nothing; a bf16 one installs the kernels where the CPU has no native
+    bf16 products (AVX2) and not where it has (AVX512), saying so in one line; a bf16 Linear's forward and backward
+    then give the fp32 computation's values rounded once."""
+    check = """
+import torch
+from fsdp_peft.core._compat import torch_patches
+from fsdp_peft.model.modeling import bf16_products_prepared
+torch.manual_seed(0)
+layer = torch.nn.Linear(96, 40)
+bf16_products_prepared(layer)
+fp32_installed = "originals" in torch_patches._CPU_BF16
+bf16_products_prepared(layer.bfloat16())
+x = torch.randn(4, 8, 96).bfloat16().requires_grad_()
+y = layer(x)
+y.float().square().sum().backward()
+w, b, x64 = layer.weight.double(), layer.bias.double(), x.detach().double()
+exact = (x64 @ w.T + b).bfloat16()
+grad = ((2 * y.detach().float()).double() @ w).bfloat16()
+print(fp32_installed, "originals" in torch_patches._CPU_BF16, torch_patches.cpu_has_native_bf16_products(),
+      (y == exact).float().mean().item(), (x.grad == grad).float().mean().item())
+"""
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    fp32_installed, installed, native, forward, backward = result.stdout.splitlines()[-1].split()
+    assert fp32_installed == "False" and installed == str(native == "False")
+    assert ("bf16 products run as fp32 products of the same values, rounded once" in result.stdout) == (
+        native == "False"
+    )
+    assert float(forward) >= 0.999 and float(backward) >= 0.999

@@ -352,6 +352,13 @@ UPSTREAM: tuple[Upstream, ...] = (
         "torch skips parameters that were never unsharded there",
         mentions=("_unsharded_param", "reduce_dtype"),
     ),
+    Upstream(
+        "torch.library:get_kernel",
+        ("op", "dispatch_key"),
+        "fsdp_peft.core._compat.torch_patches.cpu_bf16_products_in_fp32",
+        "aten's own CPU kernels of the matrix products, called for every dtype but bf16 once they are replaced",
+        "aten computes bf16 products through its fp32 GEMM where oneDNN has no bf16 one",
+    ),
     # TRL's, checked in the processes that import trl (the preference and GRPO recipes)
     Upstream(
         "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",

@@ -1,5 +1,5 @@
 """torch's private parts read or patched: FSDP2 unit state, the process group's threads, FSDP2's accumulated
-gradients."""
+gradients, CPU bf16 matrix products."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import contextlib
 import functools
 import gc
 import inspect
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
@@ -131,3 +133,62 @@ def process_group_threads() -> list[str]:
         if name.startswith(PROCESS_GROUP_THREADS):
             names.append(name)
     return sorted(names)
+
+
+CPU_BF16_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")  # aten's matrix products; each with its ``.out`` form
+_CPU_BF16: dict = {}  # "originals": aten's own CPU kernels by op name, "library": the registration that replaced them
+
+
+def cpu_has_native_bf16_products() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively: oneDNN's bf16 GEMM (AVX512 with BW, AVX512-BF16, AMX),
+    which ATen itself asks before using it."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@patch("torch", still_needed=lambda: not cpu_has_native_bf16_products())
+def cpu_bf16_products_in_fp32() -> bool:
+    """On a CPU without native bf16 matrix products, replaces aten's CPU kernels of ``mm``, ``addmm``, ``bmm`` and
+    ``baddbmm`` (and their ``.out`` forms) with ones that compute a product of bf16 tensors as the fp32 product of the
+    same values, rounded once to bf16; any other dtype runs aten's own kernel. Returns whether it was installed now
+    (idempotent; process-wide; CUDA and every other device keep their kernels; a CPU with native bf16 products is
+    left as it is).
+
+    Why: where oneDNN has no bf16 GEMM (AVX2 CPUs: Zen 3 and older, most laptops) ATen multiplies bf16 matrices with
+    a generic loop, 7-8x slower than its fp32 product (MKL): 15-17 GFLOP/s against 91-115 at SmolLM2's layer shapes;
+    a bf16 forward and backward of a model spent 85-91 % of its time in ``aten::mm``
+    (docs/compat.md#the-measurements). The arithmetic is a bf16 GEMM's as GPUs run it: each product of two bf16 values
+    is exact in fp32, the sums run in fp32, the result is rounded to bf16 once; aten's own loop accumulates in fp32
+    too, so the two agree but for the order of the fp32 sums (99.98 % of results equal, the rest one bf16 step
+    apart, both as close to the float64 product). Autograd's products (a backward's ``mm``) and bitsandbytes'
+    dequantize-and-multiply reach the same kernels.
+    Remove when: aten computes bf16 products through its fp32 GEMM itself where oneDNN has none.
+    """
+    if "originals" in _CPU_BF16 or cpu_has_native_bf16_products():
+        return False
+    originals, library = {}, torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
+        warnings.simplefilter("ignore")
+        for name in (*CPU_BF16_PRODUCTS, *(f"{op}.out" for op in CPU_BF16_PRODUCTS)):
+            originals[name] = torch.library.get_kernel(f"aten::{name}", "CPU")
+            library.impl(name, _in_fp32(originals[name], name.endswith(".out")), "CPU", with_keyset=True)
+    _CPU_BF16.update(originals=originals, library=library)
+    return True
+
+
+def _in_fp32(original, writes_out: bool):
+    """``original`` (an aten CPU kernel of a matrix product) run on bf16 operands as fp32, the result rounded to bf16
+    (into ``out`` for an ``.out`` form); operands of any other dtype, or of mixed dtypes, go to ``original`` as
+    they are (its own checks, its own errors)."""
+
+    def kernel(keys, *arguments, **options):
+        out = options.get("out")
+        operands = [a for a in arguments if isinstance(a, torch.Tensor)] + ([out] if writes_out else [])
+        if not all(operand.dtype == torch.bfloat16 for operand in operands):
+            return original.call_boxed(keys, *arguments, **options)
+        upcast = [a.float() if isinstance(a, torch.Tensor) else a for a in arguments]
+        if not writes_out:
+            return original.call_boxed(keys, *upcast, **options).to(torch.bfloat16)
+        product = original.call_boxed(keys, *upcast, **{**options, "out": torch.empty(0, dtype=torch.float32)})
+        return out.resize_(product.shape).copy_(product)
+
+    return kernel
