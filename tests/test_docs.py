@@ -344,6 +344,9 @@ INSTEAD: dict[str, Run] = {
         f"grep -qF 'PJRT_DEVICE=TPU fsdp-peft plan (' {REPO}/tests/xla/test_xla_recipes.py",
         why="runs in tests/xla (the TPU configs' headers against it), keeping the main suite's time",
     ),
+    "python benchmarks/cpu_bf16_products.py": Run(
+        "python benchmarks/cpu_bf16_products.py --repeats 1", why="as written, one timed call a case (about 15 s)"
+    ),
     "python benchmarks/train_cpu.py": Run(
         "python benchmarks/train_cpu.py --models tiny --methods lora --steps 1",
         why="10-20 minutes: the same benchmark on the tiny model, LoRA, 1 step",
@@ -650,6 +653,8 @@ def check(outcome: Outcome, documented: list[str]) -> None:
         assert "planner within 10% of the saved bytes in all 4 cases: True" in output
     elif "benchmarks/variants.py" in command:
         assert "1 runs: 0 failed or out of bound" in output
+    elif "benchmarks/cpu_bf16_products.py" in command:
+        assert "49152 x 576   (  1 layers)  96 rows: aten" in output and "native bf16 products on this CPU: " in output
     elif "benchmarks/train_cpu.py" in command:
         assert "per-rank params+grads+optimizer, world size 2 / 1, tiny/lora: 0.500" in output
     for line in (line for text in documented for line in DOCUMENTED_OUTPUT.get(text, [])):

@@ -29,7 +29,7 @@ from fsdp_peft.core._compat.peft_patches import (
     peft_wrapped,
     trainable_tokens_through_the_base_layer,
 )
-from fsdp_peft.core._compat.torch_patches import cpu_bf16_products_in_fp32
+from fsdp_peft.core._compat.torch_patches import FP32_FROM_ROWS, cpu_bf16_products_in_fp32
 from fsdp_peft.core.dtypes import trainable_dtypes_kept
 from fsdp_peft.core.errors import ConfigError
 from fsdp_peft.core.log import logger
@@ -249,13 +249,15 @@ def bf16_products_prepared(model: torch.nn.Module, training: TrainingArguments |
     """For ``model`` on CPU computing in bf16 (bf16 weights, a 4-bit compute dtype of bf16, or bf16 mixed
     precision): its products computed in fp32 and rounded once where the CPU has no native bf16 products
     (`fsdp_peft.core._compat.torch_patches.cpu_bf16_products_in_fp32`), said in one line the first time."""
-    bf16 = training is not None and training.bf16
+    mixed = {"bf16": training.bf16, "fp16": training.fp16} if training is not None else {}
+    bf16 = mixed_precision_dtype(mixed) == "bfloat16"  # the recipe's bf16, or the launcher's mixed_precision
     bf16 = bf16 or any(p.dtype == torch.bfloat16 for p in model.parameters())
     bf16 = bf16 or any(getattr(m, "compute_dtype", None) == torch.bfloat16 for m in model.modules())
     if bf16 and cpu_bf16_products_in_fp32():
         logger.info(
-            "CPU without native bf16 matrix products (oneDNN's AVX512/AMX bf16 GEMM): bf16 products run as fp32 "
-            "products of the same values, rounded once, as a GPU's bf16 GEMM accumulates (7-8x faster here)"
+            "CPU without native bf16 matrix products (oneDNN's AVX512/AMX bf16 GEMM): bf16 products of "
+            f"{FP32_FROM_ROWS} rows or more run as fp32 products of the same values, rounded once, as a GPU's bf16 "
+            "GEMM accumulates (7-8x faster here at a training step's shapes)"
         )
 
 

@@ -160,7 +160,8 @@ def qlora_runs(tmp_path_factory, smollm2_dir) -> dict:
     ranks' two halves); and each rank's 4-bit shards, saved by tests/distributed/loading_check.py."""
     common = ["--model_name_or_path", "smollm2-135m-instruct", "--dataset", "iso-dates", "--max_seq_length", "96"]
     common += ["--logging_steps", "1", "--warmup_steps", "0", "--lora_r", "8", "--disable_tqdm", "true"]
-    # 2 held-out rows: no test here reads the eval loss, and in bf16 on a CPU without AVX512-BF16 the end-of-run
+    # 2 held-out rows: no test here reads the eval loss, and in bf16 on a CPU without AVX512-BF16 (before its bf16
+    # products ran in fp32: fsdp_peft.core._compat.torch_patches.cpu_bf16_products_in_fp32) the end-of-run
     # evaluation of 16 took 136 s of a 2-rank run's 265 s (docs/real_model.md)
     common += ["--generate_samples", "0", "--generate_eval_samples", "0", "--max_eval_samples", "2"]
     halves = ["--per_device_train_batch_size", str(PER_RANK_BATCH)]

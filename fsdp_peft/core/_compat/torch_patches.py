@@ -135,32 +135,38 @@ def process_group_threads() -> list[str]:
     return sorted(names)
 
 
-CPU_BF16_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")  # aten's matrix products; each with its ``.out`` form
+CPU_BF16_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")  # aten's matrix products: each, its .out form, in place
+FP32_FROM_ROWS = (
+    32  # fewer rows or columns: aten's bf16 loop beats the weight's fp32 copy (benchmarks/cpu_bf16_products.py)
+)
 _CPU_BF16: dict = {}  # "originals": aten's own CPU kernels by op name, "library": the registration that replaced them
 
 
 def cpu_has_native_bf16_products() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively: oneDNN's bf16 GEMM (AVX512 with BW, AVX512-BF16, AMX),
-    which ATen itself asks before using it."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether aten multiplies bf16 matrices on this CPU with oneDNN's bf16 GEMM (AVX512 with BW, AVX512-BF16, AMX):
+    the question ATen itself asks before using it, on a build with oneDNN, enabled."""
+    mkldnn = torch.backends.mkldnn
+    return bool(mkldnn.is_available() and mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-@patch("torch", still_needed=lambda: not cpu_has_native_bf16_products())
+@patch("torch")
 def cpu_bf16_products_in_fp32() -> bool:
     """On a CPU without native bf16 matrix products, replaces aten's CPU kernels of ``mm``, ``addmm``, ``bmm`` and
-    ``baddbmm`` (and their ``.out`` forms) with ones that compute a product of bf16 tensors as the fp32 product of the
-    same values, rounded once to bf16; any other dtype runs aten's own kernel. Returns whether it was installed now
-    (idempotent; process-wide; CUDA and every other device keep their kernels; a CPU with native bf16 products is
-    left as it is).
+    ``baddbmm`` (their ``.out`` forms and ``addmm_``, ``baddbmm_``) with ones that compute a product of bf16 tensors
+    with at least `FP32_FROM_ROWS` rows and columns as the fp32 product of the same values, rounded once to bf16;
+    any other product runs aten's own kernel. Returns whether it was installed now (idempotent; process-wide; CUDA and
+    every other device keep their kernels; a CPU with native bf16 products is left as it is).
 
     Why: where oneDNN has no bf16 GEMM (AVX2 CPUs: Zen 3 and older, most laptops) ATen multiplies bf16 matrices with
-    a generic loop, 7-8x slower than its fp32 product (MKL): 15-17 GFLOP/s against 91-115 at SmolLM2's layer shapes;
-    a bf16 forward and backward of a model spent 85-91 % of its time in ``aten::mm``
-    (docs/compat.md#the-measurements). The arithmetic is a bf16 GEMM's as GPUs run it: each product of two bf16 values
-    is exact in fp32, the sums run in fp32, the result is rounded to bf16 once; aten's own loop accumulates in fp32
-    too, so the two agree but for the order of the fp32 sums (99.98 % of results equal, the rest one bf16 step
-    apart, both as close to the float64 product). Autograd's products (a backward's ``mm``) and bitsandbytes'
-    dequantize-and-multiply reach the same kernels.
+    a generic loop, 7-8x slower than its fp32 product (MKL) on a training step's shapes: 15-17 GFLOP/s against
+    91-115 for 384 rows through SmolLM2's layers; a bf16 forward and backward of a model spent 85-91 % of its time in
+    ``aten::mm`` (docs/compat.md#the-measurements). Below 32 rows (decoding) copying the weight to fp32 costs more
+    than the loop for SmolLM2's output layer (at 8 rows for its other layers): those stay aten's. The arithmetic is
+    a bf16 GEMM's as GPUs run it: each product of two bf16
+    values is exact in fp32, the sums run in fp32, the result is rounded to bf16 once; aten's own loop accumulates in
+    fp32 too, so the two agree but for the order of the fp32 sums (nearly every result equal, the others within the
+    fp32 sums' error). Autograd's products (a backward's ``mm``), compiled graphs (inductor calls the ``.out``
+    forms), bitsandbytes' dequantize-and-multiply and the generation merge (``addmm_``) reach the same kernels.
     Remove when: aten computes bf16 products through its fp32 GEMM itself where oneDNN has none.
     """
     if "originals" in _CPU_BF16 or cpu_has_native_bf16_products():
@@ -168,27 +174,55 @@ def cpu_bf16_products_in_fp32() -> bool:
     originals, library = {}, torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
         warnings.simplefilter("ignore")
-        for name in (*CPU_BF16_PRODUCTS, *(f"{op}.out" for op in CPU_BF16_PRODUCTS)):
-            originals[name] = torch.library.get_kernel(f"aten::{name}", "CPU")
-            library.impl(name, _in_fp32(originals[name], name.endswith(".out")), "CPU", with_keyset=True)
+        for op in CPU_BF16_PRODUCTS:
+            for name, form in ((op, "returned"), (f"{op}.out", "out"), (f"{op}_", "in_place")):
+                if form == "in_place" and not op.startswith(("addmm", "baddbmm")):
+                    continue
+                originals[name] = torch.library.get_kernel(f"aten::{name}", "CPU")
+                library.impl(name, _in_fp32(originals[name], originals[op], form), "CPU", with_keyset=True)
     _CPU_BF16.update(originals=originals, library=library)
     return True
 
 
-def _in_fp32(original, writes_out: bool):
-    """``original`` (an aten CPU kernel of a matrix product) run on bf16 operands as fp32, the result rounded to bf16
-    (into ``out`` for an ``.out`` form); operands of any other dtype, or of mixed dtypes, go to ``original`` as
-    they are (its own checks, its own errors)."""
+def aten_cpu_kernel(name: str):
+    """aten's own CPU kernel of the op ``name`` (``"mm"``, ``"addmm.out"``): the replaced one, once replaced."""
+    return _CPU_BF16.get("originals", {}).get(name) or torch.library.get_kernel(f"aten::{name}", "CPU")
+
+
+def _in_fp32(original, product, form: str = "returned"):
+    """A kernel that runs ``product`` (aten's CPU kernel of a matrix product, returning its result) on the bf16
+    operands as fp32 and rounds the result to bf16: returned, written into ``out`` (``form`` "out") or into the first
+    operand ("in_place"); products of other dtypes, mixed dtypes or fewer than `FP32_FROM_ROWS` rows or columns go
+    to ``original``, the replaced kernel, as they are (its own result, checks and errors)."""
 
     def kernel(keys, *arguments, **options):
         out = options.get("out")
-        operands = [a for a in arguments if isinstance(a, torch.Tensor)] + ([out] if writes_out else [])
-        if not all(operand.dtype == torch.bfloat16 for operand in operands):
+        operands = [a for a in arguments if isinstance(a, torch.Tensor)] + ([out] if form == "out" else [])
+        first, second = [a for a in arguments if isinstance(a, torch.Tensor)][-2:]  # the matrices multiplied
+        small = min(first.shape[-2], second.shape[-1]) < FP32_FROM_ROWS
+        if small or not all(operand.dtype == torch.bfloat16 for operand in operands):
             return original.call_boxed(keys, *arguments, **options)
-        upcast = [a.float() if isinstance(a, torch.Tensor) else a for a in arguments]
-        if not writes_out:
-            return original.call_boxed(keys, *upcast, **options).to(torch.bfloat16)
-        product = original.call_boxed(keys, *upcast, **{**options, "out": torch.empty(0, dtype=torch.float32)})
-        return out.resize_(product.shape).copy_(product)
+        upcast = [_fp32(a) if isinstance(a, torch.Tensor) else a for a in arguments]
+        if form == "returned":
+            return product.call_boxed(keys, *upcast, **options).to(torch.bfloat16)
+        result = product.call_boxed(keys, *upcast, **{k: v for k, v in options.items() if k != "out"})
+        target = out if form == "out" else arguments[0]
+        if form == "out" and target.shape != result.shape:
+            if target.numel():  # as aten's resize_output says it
+                warnings.warn(
+                    f"An output with one or more elements was resized since it had shape {list(target.shape)}, which "
+                    f"does not match the required output shape {list(result.shape)}.",
+                    stacklevel=2,
+                )
+            target.resize_(result.shape)
+        return target.copy_(result)
 
     return kernel
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in fp32; a batch of one matrix expanded (stride 0: ``F.linear`` on a sliced 3-D input multiplies
+    by the weight expanded over the batch) stays one matrix, expanded."""
+    if tensor.dim() == 3 and tensor.stride(0) == 0:
+        return tensor[0].float().expand(tensor.shape)
+    return tensor.float()
