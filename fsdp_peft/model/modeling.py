@@ -256,8 +256,8 @@ def bf16_products_prepared(model: torch.nn.Module, training: TrainingArguments |
     if bf16 and cpu_bf16_products_in_fp32():
         logger.info(
             "CPU without native bf16 matrix products (oneDNN's AVX512/AMX bf16 GEMM): bf16 products of "
-            f"{FP32_FROM_ROWS} rows or more run as fp32 products of the same values, rounded once, as a GPU's bf16 "
-            "GEMM accumulates (7-8x faster here at a training step's shapes)"
+            f"{FP32_FROM_ROWS} rows and columns or more run as fp32 products of the same values, rounded once, as a "
+            "GPU's bf16 GEMM accumulates (7-8x faster here at a training step's shapes)"
         )
 
 

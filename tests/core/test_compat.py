@@ -446,3 +446,22 @@ print(fp32_installed, "originals" in torch_patches._CPU_BF16, torch_patches.cpu_
     said = "run as fp32 products of the same values, rounded once" in result.stdout + result.stderr
     assert said == (native == "False") and bf16_copies == installed and fp32_copies == "False"
     assert same == "True" or installed == "False"  # with native bf16 products aten's sums need not be the fp32 ones
+
+
+def test_bf16_products_in_fp32_leave_what_is_no_matrix_product_to_aten():
+    """An empty batch multiplied by an expanded matrix gives aten's empty result, and an operand that is no matrix
+    aten's own error, in every dtype."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    bmm = torch_patches.aten_cpu_kernel("bmm")
+    ours_bmm = torch_patches._in_fp32(bmm, bmm)
+    empty, weight = torch.randn(0, 40, 96).bfloat16(), torch.randn(96, 40).bfloat16().expand(0, 96, 40)
+    assert ours_bmm(keys, empty, weight).shape == bmm.call_boxed(keys, empty, weight).shape == (0, 40, 40)
+    mm = torch_patches.aten_cpu_kernel("mm")
+    ours_mm = torch_patches._in_fp32(mm, mm)
+    for dtype in (torch.float32, torch.bfloat16):
+        vector, matrix = torch.randn(96, dtype=dtype), torch.randn(96, 40, dtype=dtype)
+        with pytest.raises(RuntimeError) as ours_error:
+            ours_mm(keys, vector, matrix)
+        with pytest.raises(RuntimeError) as aten_error:
+            mm.call_boxed(keys, vector, matrix)
+        assert str(ours_error.value) == str(aten_error.value)

@@ -199,8 +199,10 @@ def _in_fp32(original, product, form: str = "returned"):
         out = options.get("out")
         operands = [a for a in arguments if isinstance(a, torch.Tensor)] + ([out] if form == "out" else [])
         first, second = [a for a in arguments if isinstance(a, torch.Tensor)][-2:]  # the matrices multiplied
-        small = min(first.shape[-2], second.shape[-1]) < FP32_FROM_ROWS
-        if small or not all(operand.dtype == torch.bfloat16 for operand in operands):
+        matrices = first.dim() >= 2 and second.dim() >= 2  # else aten's own error
+        if not matrices or min(first.shape[-2], second.shape[-1]) < FP32_FROM_ROWS:
+            return original.call_boxed(keys, *arguments, **options)
+        if not all(operand.dtype == torch.bfloat16 for operand in operands):
             return original.call_boxed(keys, *arguments, **options)
         upcast = [_fp32(a) if isinstance(a, torch.Tensor) else a for a in arguments]
         if form == "returned":
@@ -223,6 +225,6 @@ def _in_fp32(original, product, form: str = "returned"):
 def _fp32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in fp32; a batch of one matrix expanded (stride 0: ``F.linear`` on a sliced 3-D input multiplies
     by the weight expanded over the batch) stays one matrix, expanded."""
-    if tensor.dim() == 3 and tensor.stride(0) == 0:
+    if tensor.dim() == 3 and tensor.stride(0) == 0 and tensor.shape[0] > 0:
         return tensor[0].float().expand(tensor.shape)
     return tensor.float()
