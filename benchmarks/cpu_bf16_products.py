@@ -17,9 +17,6 @@ route is faster for every shape; writes ``benchmarks/results/cpu_bf16_products.j
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -40,7 +37,10 @@ def best_seconds(call, repeats: int) -> float:
 
 
 def main() -> None:
-    from one_row_products import layer_shapes  # lazy: a sibling script, importable when run from benchmarks/
+    from one_row_products import (  # lazy: a sibling script, importable when run from benchmarks/
+        layer_shapes,
+        write_report,
+    )
 
     from fsdp_peft.core._compat.torch_patches import FP32_FROM_ROWS, aten_cpu_kernel, cpu_has_native_bf16_products
 
@@ -83,22 +83,15 @@ def main() -> None:
         f"native bf16 products on this CPU: {native}; the fp32 route is faster for every shape from "
         f"{slowest} rows (the patch's threshold: {FP32_FROM_ROWS}{', unused here' if native else ''})"
     )
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/cpu_bf16_products.py",
-        "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, {platform.processor() or platform.system()}",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "native_bf16_products": native,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "model": args.model,
-        "fp32_faster_for_every_shape_from_rows": slowest if slowest != float("inf") else None,
-        "threshold_rows": FP32_FROM_ROWS,
-        "products": rows_out,
-    }
-    out = HERE / "results" / "cpu_bf16_products.json"
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"written to {out}")
+    write_report(
+        "cpu_bf16_products",
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        native_bf16_products=native,
+        model=args.model,
+        fp32_faster_for_every_shape_from_rows=slowest if slowest != float("inf") else None,
+        threshold_rows=FP32_FROM_ROWS,
+        products=rows_out,
+    )
 
 
 if __name__ == "__main__":

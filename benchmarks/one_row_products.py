@@ -93,18 +93,24 @@ def main() -> None:
             f"reduction / mkl {row['reduction_over_mkl']:.2f} (largest difference {worst:.1e})",
             flush=True,
         )
+    write_report("one_row_products", model=args.model, shapes=rows)
+
+
+def write_report(name: str, **figures) -> Path:
+    """``benchmarks/results/<name>.json``: the date, the command, the machine, torch's threads and release, then
+    ``figures``; says where it went."""
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/one_row_products.py",
+        "command": f"python benchmarks/{name}.py",
         "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, {platform.processor() or platform.system()}",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "model": args.model,
-        "shapes": rows,
+        **figures,
     }
-    out = HERE / "results" / "one_row_products.json"
+    out = HERE / "results" / f"{name}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"written to {out}")
+    return out
 
 
 if __name__ == "__main__":
